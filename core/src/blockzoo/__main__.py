@@ -1,0 +1,3 @@
+from blockzoo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""The core's own plugin: it registers the core's types through the same entry-point group as everyone."""
+
+from __future__ import annotations
+
+from blockzoo.layers import config as layers
+from blockzoo.model import config as model
+from blockzoo.plugins import PluginInfo, hookimpl
+
+
+@hookimpl
+def plugin_info() -> PluginInfo:
+    return PluginInfo(description="blockzoo's own blocks, block sequences, normalizations and initializations")
+
+
+@hookimpl
+def register_mixers(register) -> None:
+    register("none", layers.NoMixerConfig)
+
+
+@hookimpl
+def register_mlps(register) -> None:
+    register("none", layers.NoMLPConfig)
+
+
+@hookimpl
+def register_blocks(register) -> None:
+    register("decoder", model.DecoderBlockConfig)
+    register("fixed", model.FixedBlockSequenceConfig)
+    register("pattern", model.PatternBlockSequenceConfig)
+
+
+@hookimpl
+def register_components(register) -> None:
+    register("normal", layers.NormalInitializationConfig, "blockzoo.layers.initialization:initialize_normal")
+    register("uniform", layers.UniformInitializationConfig, "blockzoo.layers.initialization:initialize_uniform")
+    register("fill", layers.FillInitializationConfig, "blockzoo.layers.initialization:initialize_fill")
+    register("none", layers.NoNormalizationConfig)
+    register("rms_norm", layers.RMSNormalizationConfig)
+    register("layer_norm", layers.LayerNormalizationConfig)

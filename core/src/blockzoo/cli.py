@@ -1,0 +1,140 @@
+"""The `blockzoo` command. A bad input ends with a one-paragraph message and exit code 2, never a traceback
+(unless `--debug`). Imports stay light: `blockzoo plugins` must answer without loading torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+
+from blockzoo.config import ConfigError, structure
+from blockzoo.plugins import PLUGIN_API, PluginError, PluginRecord, Registry, get_registry, strict_mode
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A bad command line or input file: reported without a traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    arguments = parser.parse_args(argv)
+    try:
+        return arguments.run(arguments)
+    except (ConfigError, PluginError, UsageError) as error:
+        if arguments.debug:
+            traceback.print_exc()
+        print(f"blockzoo: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockzoo", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.set_defaults(run=lambda _: parser.print_help() or USAGE_ERROR)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    plugins = commands.add_parser("plugins", help="list the installed plugins and the types they provide")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.add_argument("--check", action="store_true", help="also build every type and check the environment")
+    plugins.set_defaults(run=_plugins)
+
+    config = commands.add_parser("config", help="validate a config and print it resolved")
+    config.add_argument("path", metavar="CONFIG", help="a YAML run config")
+    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.hidden_size=512")
+    config.add_argument("--explicit", action="store_true", help="print only what the file and overrides set")
+    config.set_defaults(run=_config)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# blockzoo config
+
+
+def _config(arguments: argparse.Namespace) -> int:
+    from blockzoo.config import load, to_yaml
+    from blockzoo.run_config import RunConfig
+
+    print(to_yaml(load(RunConfig, arguments.path, arguments.overrides), explicit_only=arguments.explicit), end="")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# blockzoo plugins
+
+
+def _plugins(arguments: argparse.Namespace) -> int:
+    from blockzoo import __version__
+
+    registry = get_registry(strict=False)
+    checks = {name: _check_plugin(registry, record) for name, record in registry.plugins.items()} if arguments.check else {}
+    problems = registry.problems()
+    if arguments.json:
+        report = {
+            "blockzoo": __version__,
+            "plugin_api": f"{PLUGIN_API[0]}.{PLUGIN_API[1]}",
+            "plugins": [record.to_dict() | ({"check": checks[name]} if checks else {}) for name, record in registry.plugins.items()],
+            "problems": problems,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"blockzoo {__version__}, plugin API {PLUGIN_API[0]}.{PLUGIN_API[1]}")
+        for name, record in registry.plugins.items():
+            _print_record(record, checks.get(name))
+    failed_checks = any(checks.values())
+    if problems and strict_mode():
+        print("blockzoo: error: plugins did not load and BLOCKZOO_STRICT_PLUGINS is set", file=sys.stderr)
+        return 1
+    return 1 if failed_checks else 0
+
+
+def _print_record(record: PluginRecord, check: list[str] | None) -> None:
+    version = f"{record.distribution} {record.version}" if record.distribution else "(not installed)"
+    print(f"\n{record.name}  [{record.status}]  {version}")
+    if record.location:
+        print(f"  location: {record.location}")
+    if record.error:
+        print(f"  error: {record.error}")
+    if record.info is not None:
+        print(f"  plugin API: {record.info.api_version[0]}.{record.info.api_version[1]}")
+        if record.info.capabilities:
+            print(f"  capabilities: {', '.join(record.info.capabilities)}")
+    for kind, names in record.types.items():
+        print(f"  {kind}: {', '.join(names)}")
+    for conflict in record.conflicts:
+        print(f"  conflict: {conflict} is also registered by another plugin")
+    if check is not None:
+        print("  check: ok" if not check else "\n".join(f"  check: {problem}" for problem in check))
+
+
+def _check_plugin(registry: Registry, record: PluginRecord) -> list[str]:
+    """Build every type of a loaded plugin (default config + implementation) and run `check_environment`."""
+    if record.status != "loaded":
+        return []
+    problems = []
+    for entry in registry.entries():
+        if entry.plugin is not record:
+            continue
+        label = f"{entry.kind} {entry.name!r}"
+        try:
+            structure({}, entry.config_class)
+        except ConfigError as error:
+            problems.append(f"{label}: its default config does not build: {error}")
+        try:
+            entry.load_implementation()
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            problems.append(f"{label}: implementation {entry.implementation} does not import: {type(error).__name__}: {error}")
+    try:
+        problems.extend(registry.check_environment(record))
+    except Exception as error:  # noqa: BLE001
+        problems.append(f"check_environment raised {type(error).__name__}: {error}")
+    return problems
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,435 @@
+"""The config machinery: frozen attrs classes, one cattrs converter, errors that name the field.
+
+Every config is an attrs class decorated with `@configclass` (frozen, keyword-only). Polymorphic
+configs (mixer, MLP, block, ...) subclass a *kind* base that declares `kind` and `default_type`;
+their concrete classes are registered by plugins, and the `type` key of a mapping is resolved
+through the plugin registry at structure time, so plugins loaded after the core work too.
+
+This module imports no torch: configs must stay cheap to load (CLI, `blockzoo plugins`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import math
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+import attrs
+import cattrs
+import cattrs.gen
+import yaml
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+
+ConfigT = TypeVar("ConfigT", bound="Config")
+
+
+class Config:
+    """Base class of every config. Instances remember which fields were given explicitly."""
+
+    def explicit_fields(self) -> frozenset[str]:
+        """Fields set by the user. Configs built in Python count fields that differ from the default."""
+        given = self.__dict__.get("_explicit_fields")
+        if given is not None:
+            return given
+        return frozenset(
+            field.name
+            for field in attrs.fields(type(self))
+            if not _equals_default(field, getattr(self, field.name), self)
+        )
+
+
+class PolymorphicConfig(Config):
+    """Base of a config kind whose concrete class is chosen by a `type` key.
+
+    A kind base sets `kind` (the registry's key, e.g. "mixer") and `default_type` (the type used when
+    the key is absent; None if the key is required).
+    """
+
+    kind: ClassVar[str]
+    default_type: ClassVar[str | None] = None
+
+
+def configclass(cls: type[ConfigT]) -> type[ConfigT]:
+    """Make `cls` a frozen, keyword-only attrs config class."""
+    return attrs.frozen(kw_only=True)(cls)
+
+
+def field(default: Any = attrs.NOTHING, *, doc: str = "", factory: Any = None, validator: Any = None) -> Any:
+    """An attrs field with a doc string, used by the config reference."""
+    if factory is not None:
+        return attrs.field(factory=factory, validator=validator, metadata={"doc": doc})
+    return attrs.field(default=default, validator=validator, metadata={"doc": doc})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ConfigError(ValueError):
+    """A config could not be read. `errors` holds (path, message) pairs, one per problem."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = errors
+        self.source = source
+        where = f" ({source})" if source else ""
+        lines = [f"invalid config{where}:"] + [f"  {path or '<root>'}: {message}" for path, message in errors]
+        super().__init__("\n".join(lines))
+
+
+class ConfigFieldError(ValueError):
+    """Raised by a config's own validation; the path of the offending field is completed by the caller."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field_name = field_name
+        self.message = message
+        super().__init__(f"{field_name}: {message}")
+
+
+class UnknownTypeError(ValueError):
+    """The `type` key of a polymorphic config names no registered type."""
+
+
+def check(condition: bool, field_name: str, message: str) -> None:
+    """For `__attrs_post_init__` validations: raise a field error unless `condition` holds."""
+    if not condition:
+        raise ConfigFieldError(field_name, message)
+
+
+def at_least(minimum: float) -> Any:
+    """attrs validator: the value (when not None) is >= minimum."""
+
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value < minimum:
+            raise ConfigFieldError(attribute.name, f"must be >= {minimum}, got {value!r}")
+
+    return validate
+
+
+def greater_than(minimum: float) -> Any:
+    """attrs validator: the value (when not None) is > minimum."""
+
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value <= minimum:
+            raise ConfigFieldError(attribute.name, f"must be > {minimum}, got {value!r}")
+
+    return validate
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Structuring
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _structure_int(value: Any, _: type) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"expected an integer, got {_describe(value)}")
+    return value
+
+
+def _structure_float(value: Any, _: type) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {_describe(value)}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        # YAML 1.1 reads `1e-5` (no dot) as a string; accept numeric strings for float fields.
+        with contextlib.suppress(ValueError):
+            return float(value)
+    raise ValueError(f"expected a number, got {_describe(value)}")
+
+
+def _structure_bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _structure_str(value: Any, _: type) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {_describe(value)}")
+    return value
+
+
+def _structure_literal(value: Any, literal: Any) -> Any:
+    choices = typing.get_args(literal)
+    if not any(value == choice and type(value) is type(choice) for choice in choices):
+        raise ValueError(f"expected one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value
+
+
+def _is_literal(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is Literal
+
+
+def _registry() -> Any:
+    # Imported here: the registry loads plugins lazily and plugins import this module.
+    from blockzoo.plugins import get_registry
+
+    return get_registry()
+
+
+def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> Any:
+    structure_fields = cattrs.gen.make_dict_structure_fn(cls, converter)
+    polymorphic = issubclass(cls, PolymorphicConfig)
+
+    def structure(data: Any, _: type) -> Config:
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise ValueError(f"expected a mapping for {_config_label(cls)}, got {_describe(data)}")
+        if polymorphic:
+            target = _resolve_type(cls, data.get("type"))
+            if target is not cls:
+                return converter.structure(data, target)
+            data = {key: value for key, value in data.items() if key != "type"}
+        instance = structure_fields(data, cls)
+        object.__setattr__(instance, "_explicit_fields", frozenset(data))
+        return instance
+
+    return structure
+
+
+def _config_label(cls: type) -> str:
+    return f"a {cls.kind} config" if issubclass(cls, PolymorphicConfig) else cls.__name__
+
+
+def _resolve_type(annotated: type[PolymorphicConfig], name: Any) -> type[PolymorphicConfig]:
+    registry = _registry()
+    kind = annotated.kind
+    if name is None:
+        if registry.is_registered(annotated):
+            return annotated
+        if annotated.default_type is None:
+            raise UnknownTypeError(f"a `type` is required for this {kind}; available: {registry.describe_available(kind)}")
+        try:
+            return registry.resolve(kind, annotated.default_type).config_class
+        except UnknownTypeError as error:
+            raise UnknownTypeError(f"no `type` given, and the default {kind} type is not available: {error}") from None
+    if not isinstance(name, str):
+        raise UnknownTypeError(f"expected a {kind} type name, got {_describe(name)}")
+    target = registry.resolve(kind, name).config_class
+    if not issubclass(target, annotated):
+        raise UnknownTypeError(f"{kind} type {name!r} is a {target.__name__}, but a {annotated.__name__} is expected here")
+    return target
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook(int, _structure_int)
+    converter.register_structure_hook(float, _structure_float)
+    converter.register_structure_hook(bool, _structure_bool)
+    converter.register_structure_hook(str, _structure_str)
+    converter.register_structure_hook(Path, lambda value, _: Path(_structure_str(value, str)))
+    converter.register_structure_hook_func(_is_literal, _structure_literal)
+    converter.register_structure_hook_factory(
+        lambda cls: isinstance(cls, type) and issubclass(cls, Config) and attrs.has(cls),
+        lambda cls: _structure_hook_factory(cls, converter),
+    )
+    converter.register_unstructure_hook_func(
+        lambda cls: isinstance(cls, type) and issubclass(cls, Config), lambda value: to_dict(value)
+    )
+    return converter
+
+
+converter = _make_converter()
+
+
+def structure(data: Any, cls: type[ConfigT], *, source: str | None = None, root: str = "") -> ConfigT:
+    """Build a config of class `cls` from plain data (a mapping), or raise ConfigError listing every problem."""
+    try:
+        return converter.structure(data, cls)
+    except Exception as error:  # noqa: BLE001 - every failure becomes a ConfigError with paths
+        problems = list(_collect_errors(error, [root] if root else []))
+        raise ConfigError(problems, source) from error
+
+
+def _collect_errors(error: BaseException, path: list[str]) -> typing.Iterator[tuple[str, str]]:
+    if isinstance(error, BaseValidationError):
+        for sub_error in error.exceptions:
+            step = None
+            for note in getattr(sub_error, "__notes__", ()):
+                if isinstance(note, AttributeValidationNote):
+                    step = note.name
+                elif isinstance(note, IterableValidationNote):
+                    step = str(note.index)
+            if isinstance(sub_error, KeyError) and step is not None:
+                yield _join(path + [step]), "missing required field"
+            else:
+                yield from _collect_errors(sub_error, path + ([step] if step is not None else []))
+    elif isinstance(error, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(error.cl)]
+        if issubclass(error.cl, PolymorphicConfig):
+            known = ["type", *known]
+        for key in sorted(error.extra_fields):
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+            yield _join(path + [key]), f"unknown key{suggestion} (valid keys: {', '.join(known)})"
+    elif isinstance(error, ConfigFieldError):
+        yield _join(path + [error.field_name]), error.message
+    elif isinstance(error, UnknownTypeError):
+        yield _join(path + ["type"]), str(error)
+    elif isinstance(error, ConfigError):
+        for sub_path, message in error.errors:
+            yield _join(path + ([sub_path] if sub_path else [])), message
+    else:
+        yield _join(path), str(error) or type(error).__name__
+
+
+def _join(path: list[str]) -> str:
+    return ".".join(step for step in path if step)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Unstructuring
+
+
+def to_dict(config: Config, *, explicit_only: bool = False) -> dict[str, Any]:
+    """Plain data for `config`. With `explicit_only`, only the fields the user set (the config as an update).
+
+    Polymorphic configs always carry their `type`, so the data structures back to the same classes.
+    """
+    data: dict[str, Any] = {}
+    if isinstance(config, PolymorphicConfig):
+        data["type"] = _registry().name_of(type(config))
+    explicit = config.explicit_fields() if explicit_only else None
+    for attribute in attrs.fields(type(config)):
+        if explicit is not None and attribute.name not in explicit:
+            continue
+        data[attribute.name] = _plain(getattr(config, attribute.name), explicit_only)
+    return data
+
+
+def _plain(value: Any, explicit_only: bool) -> Any:
+    if isinstance(value, Config):
+        return to_dict(value, explicit_only=explicit_only)
+    if isinstance(value, Mapping):
+        return {key: _plain(item, explicit_only) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, explicit_only) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _equals_default(attribute: attrs.Attribute, value: Any, instance: Any) -> bool:
+    default = attribute.default
+    if default is attrs.NOTHING:
+        return False
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        default = default.factory(instance) if default.takes_self else default.factory()
+    if isinstance(value, float) and isinstance(default, float) and math.isnan(value) and math.isnan(default):
+        return True
+    return value == default and type(value) is type(default)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Updates: YAML files, `key.path=value` overrides, merging an update into a config
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge `update` into `base`. A node whose `type` changes is replaced, not merged."""
+    if "type" in update and "type" in base and update["type"] != base["type"]:
+        return dict(update)
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def update(config: ConfigT, changes: Mapping[str, Any], *, source: str | None = None) -> ConfigT:
+    """A new config: `config`'s explicit fields with `changes` merged over them. Defaults are re-derived."""
+    return structure(merge(to_dict(config, explicit_only=True), changes), type(config), source=source)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Turn `["model.hidden_size=512", ...]` into a nested update. Values are parsed as YAML (typed)."""
+    result: dict[str, Any] = {}
+    problems = []
+    for override in overrides:
+        key, separator, raw_value = override.partition("=")
+        steps = key.strip().split(".")
+        if not separator or not all(steps):
+            problems.append((override, "an override must look like `path.to.key=value`"))
+            continue
+        try:
+            value = yaml.safe_load(raw_value)
+        except yaml.YAMLError as error:
+            problems.append((key, f"cannot parse value {raw_value!r}: {_yaml_problem(error)}"))
+            continue
+        node = result
+        for step in steps[:-1]:
+            child = node.setdefault(step, {})
+            if not isinstance(child, dict):
+                problems.append((key, f"conflicts with the override of {step!r}"))
+                break
+            node = child
+        else:
+            node[steps[-1]] = value
+    if problems:
+        raise ConfigError(problems, "command line")
+    return result
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return problem
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that give the file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError([("", f"cannot read the file: {error.strerror or error}")], str(path)) from error
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError([("", f"malformed YAML at {_yaml_problem(error)}")], str(path)) from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"the file must hold a mapping of keys, found {type(data).__name__}")], str(path))
+    return data
+
+
+def to_yaml(config: Config, *, explicit_only: bool = False) -> str:
+    return yaml.safe_dump(to_dict(config, explicit_only=explicit_only), sort_keys=False)
+
+
+def load(
+    cls: type[ConfigT], path: str | Path | None = None, overrides: Sequence[str] = (), *, data: Mapping | None = None
+) -> ConfigT:
+    """Read a config: a YAML file (or `data`) with `key=value` overrides applied on top."""
+    base = read_yaml(path) if path is not None else dict(data or {})
+    source = str(path) if path is not None else None
+    changes = parse_overrides(overrides)
+    try:
+        config = structure(base, cls, source=source)
+    except ConfigError:
+        if not changes:
+            raise
+        # The overrides may complete an incomplete file.
+        return structure(merge(base, changes), cls, source=f"{source} with overrides" if source else "overrides")
+    # Applied as an update, so an override of a `type` starts that part from the new type's defaults.
+    return update(config, changes, source="command line") if changes else config

@@ -1,0 +1,170 @@
+"""Configs of the pieces every layer is made of: parameters, linears, normalizations, and the mixer / MLP kinds.
+
+The contract of DESIGN.md "Layers": every weight comes from a `ParameterConfig`, every linear from a
+`LinearConfig`. A field left `None` takes the default its parent passes when the layer is built:
+`initialization` and `weight_decay` are replaced, `lr_scale` multiplies down the tree (0 freezes),
+`bias.enabled` comes from the mixer's or MLP's `add_linear_biases`, `apply_peft` likewise.
+Torch-free: the layers that use these live beside this module.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from blockzoo.config import Config, PolymorphicConfig, at_least, check, configclass, field
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Initializations
+
+
+@configclass
+class InitializationConfig(PolymorphicConfig):
+    """How a parameter is initialized. Plugins register their own types (kind `initialization`)."""
+
+    kind: ClassVar[str] = "initialization"
+    default_type: ClassVar[str] = "normal"
+
+
+@configclass
+class NormalInitializationConfig(InitializationConfig):
+    mean: float = field(0.0, doc="Mean of the normal distribution.")
+    std: float = field(0.02, doc="Standard deviation.", validator=at_least(0))
+    truncate: float | None = field(None, doc="If set, values are truncated to mean ± truncate·std.")
+
+
+@configclass
+class UniformInitializationConfig(InitializationConfig):
+    low: float = field(-0.02, doc="Lower bound.")
+    high: float = field(0.02, doc="Upper bound.")
+
+    def __attrs_post_init__(self) -> None:
+        check(self.low <= self.high, "high", f"must be >= low ({self.low}), got {self.high}")
+
+
+@configclass
+class FillInitializationConfig(InitializationConfig):
+    value: float = field(0.0, doc="Every element is set to this value.")
+
+
+ZEROS = FillInitializationConfig(value=0.0)
+ONES = FillInitializationConfig(value=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters and linears
+
+
+@attrs.frozen(kw_only=True)
+class ResolvedParameter:
+    """A parameter's settings once the parent's defaults are applied: what the parameter factory uses."""
+
+    initialization: InitializationConfig
+    lr_scale: float
+    weight_decay: bool
+
+    @property
+    def frozen(self) -> bool:
+        return self.lr_scale == 0
+
+
+@configclass
+class ParameterConfig(Config):
+    initialization: InitializationConfig | None = field(None, doc="None: the parent layer's default.")
+    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    weight_decay: bool | None = field(None, doc="Apply the optimizer's weight decay. None: the parent's default.")
+
+    def resolve(
+        self, *, initialization: InitializationConfig, lr_scale: float = 1.0, weight_decay: bool = True
+    ) -> ResolvedParameter:
+        return ResolvedParameter(
+            initialization=self.initialization if self.initialization is not None else initialization,
+            lr_scale=lr_scale * (1.0 if self.lr_scale is None else self.lr_scale),
+            weight_decay=weight_decay if self.weight_decay is None else self.weight_decay,
+        )
+
+
+@configclass
+class BiasConfig(ParameterConfig):
+    enabled: bool | None = field(None, doc="None: the parent's default (`add_linear_biases`).")
+
+
+@configclass
+class LinearConfig(Config):
+    weight: ParameterConfig = field(factory=ParameterConfig, doc="The weight.")
+    bias: BiasConfig = field(factory=BiasConfig, doc="The bias (zeros and no weight decay by default).")
+    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    apply_peft: bool | None = field(None, doc="Wrap this linear with the model's PEFT method. None: parent default.")
+
+    def scaled(self, lr_scale: float) -> float:
+        return lr_scale * (1.0 if self.lr_scale is None else self.lr_scale)
+
+    def resolve_weight(self, *, initialization: InitializationConfig, lr_scale: float = 1.0) -> ResolvedParameter:
+        return self.weight.resolve(initialization=initialization, lr_scale=self.scaled(lr_scale))
+
+    def resolve_bias(self, *, enabled: bool, lr_scale: float = 1.0) -> ResolvedParameter | None:
+        """The bias settings, or None when this linear has no bias."""
+        if not (enabled if self.bias.enabled is None else self.bias.enabled):
+            return None
+        return self.bias.resolve(initialization=ZEROS, lr_scale=self.scaled(lr_scale), weight_decay=False)
+
+    def use_peft(self, default: bool) -> bool:
+        return default if self.apply_peft is None else self.apply_peft
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Normalizations
+
+
+@configclass
+class NormalizationConfig(PolymorphicConfig):
+    kind: ClassVar[str] = "normalization"
+    default_type: ClassVar[str] = "rms_norm"
+
+
+@configclass
+class NoNormalizationConfig(NormalizationConfig):
+    """The identity."""
+
+
+@configclass
+class RMSNormalizationConfig(NormalizationConfig):
+    epsilon: float = field(1.0e-5, doc="Added to the mean square before the square root.", validator=at_least(0))
+    weight: ParameterConfig = field(factory=ParameterConfig, doc="The scale (ones by default, no weight decay).")
+    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+
+
+@configclass
+class LayerNormalizationConfig(RMSNormalizationConfig):
+    bias: ParameterConfig = field(factory=ParameterConfig, doc="The shift (zeros by default, no weight decay).")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixer and MLP kinds: plugins provide the concrete types.
+
+
+@configclass
+class MixerConfig(PolymorphicConfig):
+    """Mixes information across tokens (attention, SSMs). Kind `mixer`, default type `attention`."""
+
+    kind: ClassVar[str] = "mixer"
+    default_type: ClassVar[str] = "attention"
+
+
+@configclass
+class MLPConfig(PolymorphicConfig):
+    """Transforms each token (dense MLP, MoE). Kind `mlp`, default type `mlp`."""
+
+    kind: ClassVar[str] = "mlp"
+    default_type: ClassVar[str] = "mlp"
+
+
+@configclass
+class NoMixerConfig(MixerConfig):
+    """No mixer: the block's mixer part is skipped (a NemotronH-style MLP-only layer)."""
+
+
+@configclass
+class NoMLPConfig(MLPConfig):
+    """No MLP: the block's MLP part is skipped (Mamba-style blocks)."""

@@ -1,0 +1,113 @@
+"""Configs of the language model: blocks, block sequences, embeddings, head. Torch-free."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from blockzoo.config import Config, ConfigFieldError, PolymorphicConfig, at_least, check, configclass, field, structure
+from blockzoo.layers.config import MixerConfig, MLPConfig, NormalizationConfig, ParameterConfig
+
+
+def _default_of(kind_base: type[PolymorphicConfig], path: str):
+    """A factory for a polymorphic field's default: the kind's default type with its defaults."""
+    return lambda: structure({}, kind_base, root=path)
+
+
+@configclass
+class BlockConfig(PolymorphicConfig):
+    """One layer of the block sequence. Kind `block`, default type `decoder`."""
+
+    kind: ClassVar[str] = "block"
+    default_type: ClassVar[str] = "decoder"
+
+
+@configclass
+class DecoderBlockConfig(BlockConfig):
+    """norm → mixer → residual → norm → MLP → residual. Either part may be `{type: none}`."""
+
+    mixer: MixerConfig = field(factory=_default_of(MixerConfig, "mixer"), doc="Mixes tokens (default: attention).")
+    mlp: MLPConfig = field(factory=_default_of(MLPConfig, "mlp"), doc="Transforms each token (default: mlp).")
+    normalization: NormalizationConfig = field(
+        factory=_default_of(NormalizationConfig, "normalization"), doc="The pre-mixer and pre-MLP normalizations."
+    )
+    post_mixer_normalization: NormalizationConfig | None = field(None, doc="Normalizes the mixer output (Gemma-style).")
+    post_mlp_normalization: NormalizationConfig | None = field(None, doc="Normalizes the MLP output.")
+    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+
+
+@configclass
+class BlockSequenceConfig(PolymorphicConfig):
+    """The stack of blocks. Kind `block_sequence`, default type `fixed`."""
+
+    kind: ClassVar[str] = "block_sequence"
+    default_type: ClassVar[str] = "fixed"
+
+    def expanded_blocks(self) -> list[tuple[str, BlockConfig]]:
+        """(name, config) of every layer in order."""
+        raise NotImplementedError
+
+
+@configclass
+class FixedBlockSequenceConfig(BlockSequenceConfig):
+    """One block configuration repeated `num_blocks` times."""
+
+    block: BlockConfig = field(factory=_default_of(BlockConfig, "block"), doc="The block, repeated.")
+    num_blocks: int = field(12, doc="Number of layers.", validator=at_least(1))
+
+    def expanded_blocks(self) -> list[tuple[str, BlockConfig]]:
+        return [("block", self.block)] * self.num_blocks
+
+
+@configclass
+class PatternBlockSequenceConfig(BlockSequenceConfig):
+    """Named blocks laid out by a pattern, repeated to fill `num_blocks` (hybrid models)."""
+
+    blocks: dict[str, BlockConfig] = field(factory=dict, doc="The named blocks.")
+    pattern: list[str] = field(factory=list, doc="Block names in layer order; repeats to fill num_blocks.")
+    num_blocks: int | None = field(None, doc="Number of layers; None: the pattern's length.", validator=at_least(1))
+
+    def __attrs_post_init__(self) -> None:
+        check(bool(self.pattern), "pattern", "must name at least one block")
+        available = ", ".join(self.blocks) or "none"
+        for index, name in enumerate(self.pattern):
+            check(name in self.blocks, f"pattern.{index}", f"no block named {name!r} in `blocks` (defined: {available})")
+        used = set(self.pattern[: self.num_blocks] if self.num_blocks else self.pattern)
+        for name in self.blocks:
+            if name not in used:
+                raise ConfigFieldError(f"blocks.{name}", "this block is never used by the pattern; use it or remove it")
+
+    def expanded_blocks(self) -> list[tuple[str, BlockConfig]]:
+        count = self.num_blocks or len(self.pattern)
+        return [(name, self.blocks[name]) for name in (self.pattern * count)[:count]]
+
+
+@configclass
+class EmbeddingsConfig(Config):
+    vocab_size: int = field(49152, doc="Number of token ids.", validator=at_least(1))
+    word_embeddings: ParameterConfig = field(factory=ParameterConfig, doc="The token embedding table.")
+    position_embeddings: bool = field(False, doc="Add learned absolute position embeddings.")
+    num_position_embeddings: int = field(2048, doc="Positions the learned table covers.", validator=at_least(1))
+    lr_scale: float | None = field(None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0))
+
+
+@configclass
+class HeadConfig(Config):
+    normalization: NormalizationConfig = field(
+        factory=_default_of(NormalizationConfig, "normalization"), doc="The final normalization."
+    )
+    output_weight: ParameterConfig = field(factory=ParameterConfig, doc="The output projection (when not tied).")
+    lr_scale: float | None = field(None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0))
+
+
+@configclass
+class ModelConfig(Config):
+    """A language model: embeddings → block sequence → head."""
+
+    hidden_size: int = field(1024, doc="Width of the residual stream.", validator=at_least(1))
+    tied_embedding_weight: bool = field(False, doc="The output projection reuses the embedding table.")
+    embeddings: EmbeddingsConfig = field(factory=EmbeddingsConfig, doc="Token (and position) embeddings.")
+    decoder: BlockSequenceConfig = field(
+        factory=_default_of(BlockSequenceConfig, "decoder"), doc="The blocks (`fixed` or `pattern`)."
+    )
+    head: HeadConfig = field(factory=HeadConfig, doc="Final norm and output projection.")
+    lr_scale: float | None = field(None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0))
