@@ -214,7 +214,9 @@ def _resolve_type(annotated: type[PolymorphicConfig], name: Any) -> type[Polymor
         if registry.is_registered(annotated):
             return annotated
         if annotated.default_type is None:
-            raise UnknownTypeError(f"a `type` is required for this {kind}; available: {registry.describe_available(kind)}")
+            raise UnknownTypeError(
+                f"a `type` is required for this {kind}; available: {registry.describe_available(kind)}"
+            )
         try:
             return registry.resolve(kind, annotated.default_type).config_class
         except UnknownTypeError as error:
@@ -223,7 +225,9 @@ def _resolve_type(annotated: type[PolymorphicConfig], name: Any) -> type[Polymor
         raise UnknownTypeError(f"expected a {kind} type name, got {_describe(name)}")
     target = registry.resolve(kind, name).config_class
     if not issubclass(target, annotated):
-        raise UnknownTypeError(f"{kind} type {name!r} is a {target.__name__}, but a {annotated.__name__} is expected here")
+        raise UnknownTypeError(
+            f"{kind} type {name!r} is a {target.__name__}, but a {annotated.__name__} is expected here"
+        )
     return target
 
 
@@ -252,7 +256,7 @@ def structure(data: Any, cls: type[ConfigT], *, source: str | None = None, root:
     """Build a config of class `cls` from plain data (a mapping), or raise ConfigError listing every problem."""
     try:
         return converter.structure(data, cls)
-    except Exception as error:  # noqa: BLE001 - every failure becomes a ConfigError with paths
+    except Exception as error:
         problems = list(_collect_errors(error, [root] if root else []))
         raise ConfigError(problems, source) from error
 
@@ -267,7 +271,7 @@ def _collect_errors(error: BaseException, path: list[str]) -> typing.Iterator[tu
                 elif isinstance(note, IterableValidationNote):
                     step = str(note.index)
             if isinstance(sub_error, KeyError) and step is not None:
-                yield _join(path + [step]), "missing required field"
+                yield _join([*path, step]), "missing required field"
             else:
                 yield from _collect_errors(sub_error, path + ([step] if step is not None else []))
     elif isinstance(error, ForbiddenExtraKeysError):
@@ -277,11 +281,11 @@ def _collect_errors(error: BaseException, path: list[str]) -> typing.Iterator[tu
         for key in sorted(error.extra_fields):
             hint = difflib.get_close_matches(key, known, n=1)
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
-            yield _join(path + [key]), f"unknown key{suggestion} (valid keys: {', '.join(known)})"
+            yield _join([*path, key]), f"unknown key{suggestion} (valid keys: {', '.join(known)})"
     elif isinstance(error, ConfigFieldError):
-        yield _join(path + [error.field_name]), error.message
+        yield _join([*path, error.field_name]), error.message
     elif isinstance(error, UnknownTypeError):
-        yield _join(path + ["type"]), str(error)
+        yield _join([*path, "type"]), str(error)
     elif isinstance(error, ConfigError):
         for sub_path, message in error.errors:
             yield _join(path + ([sub_path] if sub_path else [])), message
@@ -330,7 +334,10 @@ def _equals_default(attribute: attrs.Attribute, value: Any, instance: Any) -> bo
     if default is attrs.NOTHING:
         return False
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        default = default.factory(instance) if default.takes_self else default.factory()
+        try:
+            default = default.factory(instance) if default.takes_self else default.factory()
+        except ConfigError:  # The default cannot be built here (e.g. its plugin is missing): the value was given.
+            return False
     if isinstance(value, float) and isinstance(default, float) and math.isnan(value) and math.isnan(default):
         return True
     return value == default and type(value) is type(default)

@@ -287,7 +287,11 @@ class Registry:
                 if (hook := _hook(module, hook_name)) is not None:
                     hook(register=functools.partial(self._stage, staged, record, hook_name, kinds))
             if (hook := _hook(module, "register_converters")) is not None:
-                hook(register=lambda fmt, section: converters.append(ConverterEntry(format=fmt, section=section, plugin=record)))
+                hook(
+                    register=lambda fmt, section: converters.append(
+                        ConverterEntry(format=fmt, section=section, plugin=record)
+                    )
+                )
         except Exception as error:  # noqa: BLE001
             self._fail(module, record, "failed", error)
             return
@@ -306,7 +310,9 @@ class Registry:
         implementation: str | None = None,
     ) -> None:
         if not (isinstance(config_class, type) and issubclass(config_class, PolymorphicConfig)):
-            raise TypeError(f"{hook}: {config_class!r} is not a subclass of a config kind (MixerConfig, MLPConfig, ...)")
+            raise TypeError(
+                f"{hook}: {config_class!r} is not a subclass of a config kind (MixerConfig, MLPConfig, ...)"
+            )
         kind = config_class.kind
         if (kinds is not None and kind not in kinds) or (kinds is None and kind in _OWN_KINDS):
             right = next(h for h, k in REGISTER_HOOKS.items() if k is None or kind in k)
@@ -316,7 +322,9 @@ class Registry:
             raise TypeError(f"{config_class.__qualname__} is registered twice (as {name!r}); one name per config class")
         if implementation is not None and not re.fullmatch(r"[\w.]+:[\w.]+", implementation):
             raise TypeError(f"implementation of {name!r} must be 'module:attribute', got {implementation!r}")
-        staged.append(TypeEntry(kind=kind, name=name, config_class=config_class, implementation=implementation, plugin=record))
+        staged.append(
+            TypeEntry(kind=kind, name=name, config_class=config_class, implementation=implementation, plugin=record)
+        )
 
     def _commit(self, entry: TypeEntry) -> None:
         key = (entry.kind, entry.name)
@@ -463,7 +471,7 @@ def discover(environ: Mapping[str, str] | None = None) -> Registry:
             continue
         try:
             module = entry_point.load()
-        except BaseException as error:  # noqa: BLE001 - also SystemExit from a misbehaving import
+        except BaseException as error:
             if isinstance(error, KeyboardInterrupt):
                 raise
             record.status, record.error = "failed", f"{type(error).__name__}: {error}"

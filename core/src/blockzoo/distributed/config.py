@@ -6,6 +6,7 @@ from typing import Literal
 
 from blockzoo.config import Config, check, configclass, field, greater_than
 
+
 @configclass
 class DistributedConfig(Config):
     """Parallel layout and numerics of a run.

@@ -72,7 +72,9 @@ class ResolvedParameter:
 @configclass
 class ParameterConfig(Config):
     initialization: InitializationConfig | None = field(None, doc="None: the parent layer's default.")
-    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
     weight_decay: bool | None = field(None, doc="Apply the optimizer's weight decay. None: the parent's default.")
 
     def resolve(
@@ -94,7 +96,9 @@ class BiasConfig(ParameterConfig):
 class LinearConfig(Config):
     weight: ParameterConfig = field(factory=ParameterConfig, doc="The weight.")
     bias: BiasConfig = field(factory=BiasConfig, doc="The bias (zeros and no weight decay by default).")
-    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
     apply_peft: bool | None = field(None, doc="Wrap this linear with the model's PEFT method. None: parent default.")
 
     def scaled(self, lr_scale: float) -> float:
@@ -132,7 +136,9 @@ class NoNormalizationConfig(NormalizationConfig):
 class RMSNormalizationConfig(NormalizationConfig):
     epsilon: float = field(1.0e-5, doc="Added to the mean square before the square root.", validator=at_least(0))
     weight: ParameterConfig = field(factory=ParameterConfig, doc="The scale (ones by default, no weight decay).")
-    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
 
 
 @configclass

@@ -32,7 +32,9 @@ class DecoderBlockConfig(BlockConfig):
     )
     post_mixer_normalization: NormalizationConfig | None = field(None, doc="Normalizes the mixer output (Gemma-style).")
     post_mlp_normalization: NormalizationConfig | None = field(None, doc="Normalizes the MLP output.")
-    lr_scale: float | None = field(None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
 
 
 @configclass
@@ -70,7 +72,9 @@ class PatternBlockSequenceConfig(BlockSequenceConfig):
         check(bool(self.pattern), "pattern", "must name at least one block")
         available = ", ".join(self.blocks) or "none"
         for index, name in enumerate(self.pattern):
-            check(name in self.blocks, f"pattern.{index}", f"no block named {name!r} in `blocks` (defined: {available})")
+            check(
+                name in self.blocks, f"pattern.{index}", f"no block named {name!r} in `blocks` (defined: {available})"
+            )
         used = set(self.pattern[: self.num_blocks] if self.num_blocks else self.pattern)
         for name in self.blocks:
             if name not in used:
@@ -87,7 +91,9 @@ class EmbeddingsConfig(Config):
     word_embeddings: ParameterConfig = field(factory=ParameterConfig, doc="The token embedding table.")
     position_embeddings: bool = field(False, doc="Add learned absolute position embeddings.")
     num_position_embeddings: int = field(2048, doc="Positions the learned table covers.", validator=at_least(1))
-    lr_scale: float | None = field(None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
 
 
 @configclass
@@ -96,7 +102,9 @@ class HeadConfig(Config):
         factory=_default_of(NormalizationConfig, "normalization"), doc="The final normalization."
     )
     output_weight: ParameterConfig = field(factory=ParameterConfig, doc="The output projection (when not tied).")
-    lr_scale: float | None = field(None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
 
 
 @configclass
@@ -110,4 +118,6 @@ class ModelConfig(Config):
         factory=_default_of(BlockSequenceConfig, "decoder"), doc="The blocks (`fixed` or `pattern`)."
     )
     head: HeadConfig = field(factory=HeadConfig, doc="Final norm and output projection.")
-    lr_scale: float | None = field(None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0))
+    lr_scale: float | None = field(
+        None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0)
+    )

@@ -1,0 +1,86 @@
+"""The public API for plugins: everything a plugin may import from blockzoo (see docs/plugin-api.md).
+
+Names that need torch (layers, the distributed runtime) load on first access, so a plugin's config
+module can `from blockzoo.api import MixerConfig, configclass, field` without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from blockzoo.config import (
+    Config,
+    ConfigError,
+    ConfigFieldError,
+    PolymorphicConfig,
+    at_least,
+    check,
+    configclass,
+    field,
+    greater_than,
+    structure,
+    to_dict,
+)
+from blockzoo.distributed.config import DistributedConfig
+from blockzoo.layers.config import (
+    BiasConfig,
+    InitializationConfig,
+    LinearConfig,
+    MixerConfig,
+    MLPConfig,
+    NormalizationConfig,
+    ParameterConfig,
+    ResolvedParameter,
+)
+from blockzoo.model.config import BlockConfig, BlockSequenceConfig
+from blockzoo.plugins import PLUGIN_API, PluginInfo, hookimpl
+
+# name -> module that defines it; imported on first access (these need torch).
+_LAZY = {
+    "TensorDim": "blockzoo.layers.dims",
+    "CompositeTensorDim": "blockzoo.layers.dims",
+    "ConcatenatedTensorDim": "blockzoo.layers.dims",
+    "ParameterMeta": "blockzoo.layers.parameter",
+    "create_parameter": "blockzoo.layers.parameter",
+    "Linear": "blockzoo.layers.linear",
+    "Distributed": "blockzoo.distributed.runtime",
+    "check_parallel_match": "blockzoo.distributed.check",
+}
+
+__all__ = [
+    "PLUGIN_API",
+    "BiasConfig",
+    "BlockConfig",
+    "BlockSequenceConfig",
+    "Config",
+    "ConfigError",
+    "ConfigFieldError",
+    "DistributedConfig",
+    "InitializationConfig",
+    "LinearConfig",
+    "MLPConfig",
+    "MixerConfig",
+    "NormalizationConfig",
+    "ParameterConfig",
+    "PluginInfo",
+    "PolymorphicConfig",
+    "ResolvedParameter",
+    "at_least",
+    "check",
+    "configclass",
+    "field",
+    "greater_than",
+    "hookimpl",
+    "structure",
+    "to_dict",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'blockzoo.api' has no attribute {name!r}")

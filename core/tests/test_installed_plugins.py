@@ -1,0 +1,175 @@
+"""Plugins installed for real with pip, discovered through their entry points, seen through the CLI.
+
+The test packages (core/tests/plugins/) are installed into a private directory put on PYTHONPATH of
+subprocesses, so the test environment itself never sees the broken ones:
+- acme: a working third-party mixer `acme.shift`;
+- broken: raises at import;
+- incompatible: declares `blockzoo>=99` (its module raises if it is ever imported);
+- duplicate_one / duplicate_two: two distributions that both register `dup.mixer`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+PACKAGES = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", target]
+        + [str(PACKAGES / name) for name in ("acme", "broken", "incompatible", "duplicate_one", "duplicate_two")],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def blockzoo(site: Path, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), env.get("PYTHONPATH", "")]), **environment)
+    return subprocess.run(
+        [sys.executable, "-m", "blockzoo", *arguments], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def plugins_json(site: Path, **environment: str) -> dict:
+    result = blockzoo(site, "plugins", "--json", **environment)
+    return {
+        plugin["name"] + ":" + (plugin["distribution"] or ""): plugin for plugin in json.loads(result.stdout)["plugins"]
+    }
+
+
+def test_listing_shows_every_plugin_and_its_status(site):
+    plugins = plugins_json(site)
+    acme = plugins["acme:blockzoo-test-acme"]
+    assert acme["status"] == "loaded" and acme["version"] == "0.3.1"
+    assert acme["types"] == {"mixer": ["acme.shift"]} and acme["capabilities"] == ["tensor_parallel"]
+    assert acme["location"] == str(site / "blockzoo_test_acme")
+    broken = plugins["broken:blockzoo-test-broken"]
+    assert broken["status"] == "failed"
+    assert broken["error"] == "ImportError: libacme_kernels.so: cannot open shared object file (simulated)"
+    incompatible = plugins["incompatible:blockzoo-test-incompatible"]
+    assert incompatible["status"] == "incompatible"  # a `failed` status would mean its module was imported
+    assert incompatible["error"] == "requires blockzoo>=99, but blockzoo 0.1.0 is installed"
+    one, two = plugins["dup:blockzoo-test-dup-one"], plugins["dup:blockzoo-test-dup-two"]
+    assert one["conflicts"] == two["conflicts"] == ["mixer:dup.mixer"]
+    assert plugins["blockzoo:blockzoo"]["types"]["block"] == ["decoder"]
+    # Sorted by plugin name, so every process builds the same registry.
+    assert [key.split(":")[0] for key in plugins] == sorted(key.split(":")[0] for key in plugins)
+
+
+def test_human_listing_and_check(site):
+    result = blockzoo(site, "plugins", "--check")
+    assert result.returncode == 0, result.stderr
+    assert "acme  [loaded]  blockzoo-test-acme 0.3.1" in result.stdout
+    assert "mixer: acme.shift" in result.stdout
+    assert "error: ImportError: libacme_kernels.so" in result.stdout
+    assert "check: ok" in result.stdout
+
+
+def test_strict_mode_fails_naming_the_plugins(site):
+    result = blockzoo(site, "plugins", BLOCKZOO_STRICT_PLUGINS="1")
+    assert result.returncode == 1
+    result = blockzoo(site, "config", "missing.yaml", BLOCKZOO_STRICT_PLUGINS="1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "plugin 'broken' (blockzoo-test-broken 0.1.0) failed to load: ImportError" in result.stderr
+    assert "plugin 'incompatible' (blockzoo-test-incompatible 0.2.0) is incompatible" in result.stderr
+    assert "'dup.mixer' is registered by both" in result.stderr
+
+
+def test_allow_and_block_lists(site):
+    plugins = plugins_json(site, BLOCKZOO_PLUGINS="acme")
+    assert {key: p["status"] for key, p in plugins.items()} == {
+        "acme:blockzoo-test-acme": "loaded",
+        "blockzoo:blockzoo": "loaded",  # the core's own plugin always loads
+        "broken:blockzoo-test-broken": "disabled",
+        "dup:blockzoo-test-dup-one": "disabled",
+        "dup:blockzoo-test-dup-two": "disabled",
+        "incompatible:blockzoo-test-incompatible": "disabled",
+    }
+    plugins = plugins_json(site, BLOCKZOO_DISABLE_PLUGINS="broken,dup")
+    assert plugins["broken:blockzoo-test-broken"]["status"] == "disabled"
+    assert plugins["dup:blockzoo-test-dup-two"]["status"] == "disabled"
+    assert plugins["acme:blockzoo-test-acme"]["status"] == "loaded"
+    # With the bad ones disabled (the incompatible one aside), strict mode is satisfied.
+    result = blockzoo(site, "plugins", BLOCKZOO_DISABLE_PLUGINS="broken,dup,incompatible", BLOCKZOO_STRICT_PLUGINS="1")
+    assert result.returncode == 0, result.stderr
+    result = blockzoo(site, "plugins", BLOCKZOO_DISABLE_PLUGINS="blockzoo")
+    assert result.returncode == 2 and "cannot be disabled" in result.stderr
+
+
+def write_config(tmp_path: Path, mixer: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            model:
+              hidden_size: 32
+              decoder:
+                num_blocks: 2
+                block: {{mixer: {mixer}, mlp: {{type: none}}}}
+            """
+        )
+    )
+    return path
+
+
+def test_an_installed_type_is_usable_in_a_config(site, tmp_path):
+    result = blockzoo(site, "config", str(write_config(tmp_path, "{type: acme.shift, shift: 3}")))
+    assert result.returncode == 0, result.stderr
+    assert "type: acme.shift\n        shift: 3" in result.stdout
+
+
+def test_errors_at_the_point_of_use(site, tmp_path):
+    result = blockzoo(site, "config", str(write_config(tmp_path, "{type: broken.conv}")))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.decoder.block.mixer.type: unknown mixer type 'broken.conv'" in result.stderr
+    assert (
+        "plugin 'broken' (blockzoo-test-broken 0.1.0) failed to load: ImportError: libacme_kernels.so" in result.stderr
+    )
+    result = blockzoo(site, "config", str(write_config(tmp_path, "{type: dup.mixer}")))
+    assert result.returncode == 2
+    assert "blockzoo-test-dup-one 1.0.0" in result.stderr and "blockzoo-test-dup-two 2.0.0" in result.stderr
+    result = blockzoo(site, "config", str(write_config(tmp_path, "{type: acme.shift, shift: -1}")))
+    assert result.returncode == 2 and "model.decoder.block.mixer.shift: must be >= 0, got -1" in result.stderr
+    result = blockzoo(site, "--debug", "config", str(write_config(tmp_path, "{type: acme.shfit}")))
+    assert result.returncode == 2 and "Traceback" in result.stderr and "did you mean 'acme.shift'" in result.stderr
+
+
+def test_structuring_a_full_model_config_imports_no_torch(site, tmp_path):
+    path = write_config(tmp_path, "{type: acme.shift}")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from blockzoo.config import load
+        from blockzoo.run_config import RunConfig
+        config = load(RunConfig, {str(path)!r}, ["model.decoder.num_blocks=4", "distributed.compute_dtype=bf16"])
+        assert config.model.decoder.num_blocks == 4
+        assert type(config.model.decoder.block.mixer).__name__ == "ShiftMixerConfig"
+        print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "numpy")))
+        """
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")}
+    env.update(PYTHONPATH=str(site), BLOCKZOO_DISABLE_PLUGINS="broken,dup")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_plugins_command_is_fast_and_torch_free(site):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")}
+    env.update(PYTHONPATH=str(site))
+    script = "import sys; from blockzoo.cli import main; main(['plugins']); assert 'torch' not in sys.modules, 'torch'"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    elapsed = time.perf_counter() - start
+    print(f"blockzoo plugins: {elapsed:.2f} s")
+    assert elapsed < 5

@@ -1,0 +1,54 @@
+"""The maintainers' matrix: `nox -s tests` runs `tests(all)` (every distribution together) and
+`tests(<distribution>)` (each alone with the core); `nox -s lint`. Sessions install from the repository's
+paths, never from an index."""
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+# Installed first: a bare `torch` requirement would pull a multi-GB CUDA build where none is installed.
+TORCH = "torch==2.13.0"
+TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
+DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/examples/*"]
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_venv = "yes"
+
+
+def distributions() -> dict[str, Path]:
+    """Distribution name -> folder, for every folder of the layout that holds a pyproject.toml."""
+    found = {}
+    for pattern in DISTRIBUTION_FOLDERS:
+        for pyproject in sorted(ROOT.glob(f"{pattern}/pyproject.toml")):
+            found[nox.project.load_toml(pyproject)["project"]["name"]] = pyproject.parent.relative_to(ROOT)
+    return found
+
+
+def install(session: nox.Session, *folders: Path) -> None:
+    session.install(TORCH)
+    session.install(*TEST_REQUIREMENTS)
+    session.install(*(argument for folder in folders for argument in ("-e", str(folder))))
+
+
+@nox.session
+@nox.parametrize("distribution", [nox.param(name, id=name) for name in ["all", *distributions()]])
+def tests(session: nox.Session, distribution: str) -> None:
+    """`tests(all)`: every distribution installed together, every test. `tests(<distribution>)`: that
+    distribution with the core and nothing else, its own tests: proves it declares what it needs.
+    `nox -s tests` runs them all. Tests marked `gpu` skip where CUDA is absent."""
+    if distribution == "all":
+        folders = list(distributions().values())
+        paths = [str(folder / "tests") for folder in [*folders, Path()] if (folder / "tests").is_dir()]
+    else:
+        folders = list(dict.fromkeys([Path("core"), distributions()[distribution]]))
+        paths = [str(distributions()[distribution] / "tests")]
+    install(session, *folders)
+    session.run("pytest", "-n", "auto", *paths, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
