@@ -76,11 +76,13 @@ def test_human_listing_and_check(site):
     assert "check: ok" in result.stdout
 
 
-def test_strict_mode_fails_naming_the_plugins(site):
+def test_strict_mode_fails_naming_the_plugins(site, tmp_path):
     result = blockzoo(site, "plugins", BLOCKZOO_STRICT_PLUGINS="1")
     assert result.returncode == 1
-    result = blockzoo(site, "config", "missing.yaml", BLOCKZOO_STRICT_PLUGINS="1")
+    config = write_config(tmp_path, "{type: acme.shift}")
+    result = blockzoo(site, "config", str(config), BLOCKZOO_STRICT_PLUGINS="1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("blockzoo: error: plugins failed to load (BLOCKZOO_STRICT_PLUGINS is set)")
     assert "plugin 'broken' (blockzoo-test-broken 0.1.0) failed to load: ImportError" in result.stderr
     assert "plugin 'incompatible' (blockzoo-test-incompatible 0.2.0) is incompatible" in result.stderr
     assert "'dup.mixer' is registered by both" in result.stderr

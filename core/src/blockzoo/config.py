@@ -254,11 +254,25 @@ converter = _make_converter()
 
 def structure(data: Any, cls: type[ConfigT], *, source: str | None = None, root: str = "") -> ConfigT:
     """Build a config of class `cls` from plain data (a mapping), or raise ConfigError listing every problem."""
+    from blockzoo.plugins import PluginError  # here: plugins imports this module
+
     try:
         return converter.structure(data, cls)
     except Exception as error:
+        if plugin_error := _find(error, PluginError):
+            raise plugin_error from None  # not a problem of this config: plugins did not load (strict mode)
         problems = list(_collect_errors(error, [root] if root else []))
         raise ConfigError(problems, source) from error
+
+
+def _find(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of `kind` in `error`, searching inside exception groups."""
+    if isinstance(error, kind):
+        return error
+    for sub_error in getattr(error, "exceptions", ()):
+        if found := _find(sub_error, kind):
+            return found
+    return None
 
 
 def _collect_errors(error: BaseException, path: list[str]) -> typing.Iterator[tuple[str, str]]:
