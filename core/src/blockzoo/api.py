@@ -43,6 +43,7 @@ _LAZY = {
     "ConcatenatedTensorDim": "blockzoo.layers.dims",
     "ParameterMeta": "blockzoo.layers.parameter",
     "create_parameter": "blockzoo.layers.parameter",
+    "materialize": "blockzoo.layers.parameter",
     "Linear": "blockzoo.layers.linear",
     "Distributed": "blockzoo.distributed.runtime",
     "check_parallel_match": "blockzoo.distributed.check",

@@ -1,0 +1,160 @@
+"""The distributed runtime: process group, device mesh and the groups the layers use.
+
+`Distributed(config)` reads the launch from `torchrun`'s environment (WORLD_SIZE, RANK, LOCAL_RANK;
+a single process when they are absent), checks that the layout divides the world, initializes the
+default process group (unless one exists already, e.g. made by the caller) and lays the ranks out
+on a `DeviceMesh` of named dims (pipeline, data, sequence_data, tensor), tensor-parallel fastest so
+that tensor-parallel ranks share a node. A single process has no process group at all: every group
+is None and every rank 0. Use it as a context manager, or call `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from blockzoo.distributed.config import DistributedConfig
+
+MESH_DIMS = ("pipeline", "data", "sequence_data", "tensor")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Distributed:
+    def __init__(
+        self,
+        config: DistributedConfig,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        local_rank: int | None = None,
+    ):
+        """`world_size`, `rank` and `local_rank` override the environment (e.g. a single-process reference)."""
+        self.config = config
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+        try:
+            self.data_size = config.data_parallel(self.world_size)
+        except ValueError as error:
+            raise ValueError(f"cannot lay out {self.world_size} processes: {error}") from None
+        self.backend = _backend(config.backend)
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        self.mesh: DeviceMesh | None = None
+        self._owns_process_group = False
+        if self.world_size > 1:
+            self._start()
+
+    def _start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"a process group of {dist.get_world_size()} ranks exists, but this run has {self.world_size}"
+                )
+        else:
+            dist.init_process_group(
+                self.backend,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=self.config.timeout),
+            )
+            self._owns_process_group = True
+        shape = (self.config.pipeline_parallel, self.data_size, self.config.sequence_data_parallel, self.tensor_size)
+        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=MESH_DIMS)
+
+    def shutdown(self) -> None:
+        """Destroy the process group if this object made it. Safe to call twice."""
+        self.mesh = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def __enter__(self) -> Distributed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # -- layout --------------------------------------------------------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return _DTYPES[self.config.compute_dtype]
+
+    @property
+    def sequence_tensor_parallel(self) -> bool:
+        return self.config.uses_sequence_tensor_parallel
+
+    @property
+    def tensor_size(self) -> int:
+        return self.config.tensor_parallel
+
+    @property
+    def sequence_data_size(self) -> int:
+        return self.config.sequence_data_parallel
+
+    @property
+    def tensor_group(self) -> ProcessGroup | None:
+        return self._group("tensor")
+
+    @property
+    def sequence_data_group(self) -> ProcessGroup | None:
+        return self._group("sequence_data")
+
+    @property
+    def data_group(self) -> ProcessGroup | None:
+        return self._group("data")
+
+    @property
+    def tensor_rank(self) -> int:
+        return self._rank("tensor")
+
+    @property
+    def sequence_data_rank(self) -> int:
+        return self._rank("sequence_data")
+
+    @property
+    def data_rank(self) -> int:
+        return self._rank("data")
+
+    def _group(self, dim: str) -> ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    def _rank(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
+    # -- gradients -----------------------------------------------------------------------------------------------------
+
+    def reduce_sequence_parallel_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Sum over the tensor group the gradients of replicated parameters that only saw this rank's tokens.
+
+        Those are the parameters flagged `meta.reduce_gradient_over_tensor_group` (sequence-tensor-parallel);
+        call after the backward pass, before the data-parallel reduction and the optimizer step.
+        """
+        grads = [
+            parameter.grad
+            for parameter in parameters
+            if parameter.grad is not None and getattr(parameter, "meta", None) is not None
+            if parameter.meta.reduce_gradient_over_tensor_group
+        ]
+        if not grads or self.tensor_size == 1:
+            return
+        # One collective for all of them: these are many small tensors (biases, norm weights).
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=self.tensor_group)
+        for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(reduced.view_as(grad))
+
+
+def _backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,121 @@
+"""The linear layer every mixer and MLP uses; tensor-parallel by its dims.
+
+- Output dim split ⇒ column-parallel: every rank sees all tokens and computes its slice of the
+  features. Its input enters the tensor-parallel region: identity forward / all-reduce backward, or
+  with sequence-tensor-parallel, an all-gather of the token-split input / reduce-scatter backward.
+- Input dim split ⇒ row-parallel: every rank computes a partial sum of the output, reduced with an
+  all-reduce, or with sequence-tensor-parallel a reduce-scatter along tokens (all-gather backward).
+  The bias is replicated and added after the reduction.
+- Neither ⇒ plain. Under sequence-tensor-parallel its input is taken to be token-split (the residual
+  stream), so its replicated parameters are flagged for a gradient sum over the tensor group, as is
+  the bias of a row-parallel linear.
+
+Activations are packed `[tokens, features]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockzoo.distributed.ops import (
+    copy_to_tensor_region,
+    gather_tokens,
+    reduce_from_tensor_region,
+    reduce_scatter_tokens,
+)
+from blockzoo.layers.config import InitializationConfig, LinearConfig
+from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.parameter import create_parameter
+
+if TYPE_CHECKING:
+    from blockzoo.distributed.runtime import Distributed
+
+
+class Linear(nn.Module):
+    def __init__(
+        self,
+        name: str,
+        config: LinearConfig | Sequence[LinearConfig],
+        input_dim: TensorDim,
+        output_dim: TensorDim,
+        distributed: Distributed,
+        *,
+        default_initialization: InitializationConfig,
+        default_bias: bool = False,
+        lr_scale: float = 1.0,
+        device: torch.device | str | None = None,
+    ):
+        """`name`: the full name of the layer (its parameters are `name.weight`, `name.bias`).
+
+        `config`: one `LinearConfig`, or one per component of a concatenated `output_dim`, each honoured
+        for its rows of the weight and bias. `default_bias` is the parent's `add_linear_biases`,
+        `lr_scale` the parent's learning-rate scale. `device="meta"` skips initialization.
+        """
+        super().__init__()
+        if input_dim.parallel and output_dim.parallel:
+            raise ValueError(
+                f"linear {name!r}: input dim {input_dim.name!r} and output dim {output_dim.name!r} are both split"
+            )
+        configs = (config,) if isinstance(config, LinearConfig) else tuple(config)
+        self.name = name
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.column_parallel = output_dim.parallel
+        self.row_parallel = input_dim.parallel
+        self._tensor_group = distributed.tensor_group
+        self._sequence_tensor_parallel = distributed.sequence_tensor_parallel
+
+        weight_settings = [c.resolve_weight(initialization=default_initialization, lr_scale=lr_scale) for c in configs]
+        self.weight = create_parameter(
+            f"{name}.weight",
+            (output_dim, input_dim),
+            weight_settings,
+            distributed,
+            token_sharded_input=not (self.column_parallel or self.row_parallel),
+            device=device,
+        )
+        bias_settings = [c.resolve_bias(enabled=default_bias, lr_scale=lr_scale) for c in configs]
+        if len({settings is None for settings in bias_settings}) > 1:
+            raise ValueError(f"linear {name!r}: the components must all have a bias or none, got {bias_settings}")
+        self.bias = (
+            None
+            if bias_settings[0] is None
+            else create_parameter(
+                f"{name}.bias",
+                (output_dim,),
+                bias_settings,
+                distributed,
+                token_sharded_input=not self.column_parallel,
+                device=device,
+            )
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Master weights stay fp32; compute in the activations' dtype.
+        weight = self.weight.to(input.dtype)
+        bias = None if self.bias is None else self.bias.to(input.dtype)
+        if self.column_parallel:
+            enter = gather_tokens if self._sequence_tensor_parallel else copy_to_tensor_region
+            return F.linear(enter(input, self._tensor_group), weight, bias)
+        if self.row_parallel:
+            reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
+            output = reduce(F.linear(input, weight), self._tensor_group)
+            return output if bias is None else output + bias
+        return F.linear(input, weight, bias)
+
+    def forward_flops(self, tokens: int) -> int:
+        """Floating-point operations of the forward pass over `tokens` tokens, all ranks together."""
+        return 2 * tokens * self.input_dim.global_size * self.output_dim.global_size
+
+    def backward_flops(self, tokens: int) -> int:
+        """The input gradient costs as much as the forward, and so does the weight gradient unless frozen."""
+        return self.forward_flops(tokens) * (2 if self.weight.requires_grad else 1)
+
+    def extra_repr(self) -> str:
+        layout = "column-parallel" if self.column_parallel else "row-parallel" if self.row_parallel else "replicated"
+        return f"{self.name}: {self.input_dim} -> {self.output_dim}, {layout}, bias={self.bias is not None}"
