@@ -149,6 +149,13 @@ class LayerNormalizationConfig(RMSNormalizationConfig):
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixer and MLP kinds: plugins provide the concrete types.
 
+# What a layer can do, declared by its config class; a run that needs more is refused before it starts.
+TENSOR_PARALLEL = "tensor_parallel"
+SEQUENCE_TENSOR_PARALLEL = "sequence_tensor_parallel"
+SEQUENCE_DATA_PARALLEL = "sequence_data_parallel"
+GENERATION_CACHE = "generation_cache"
+ALL_CAPABILITIES = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE})
+
 
 @configclass
 class MixerConfig(PolymorphicConfig):
@@ -156,6 +163,7 @@ class MixerConfig(PolymorphicConfig):
 
     kind: ClassVar[str] = "mixer"
     default_type: ClassVar[str] = "attention"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
 
 @configclass
@@ -164,13 +172,18 @@ class MLPConfig(PolymorphicConfig):
 
     kind: ClassVar[str] = "mlp"
     default_type: ClassVar[str] = "mlp"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
 
 @configclass
 class NoMixerConfig(MixerConfig):
     """No mixer: the block's mixer part is skipped (a NemotronH-style MLP-only layer)."""
 
+    capabilities: ClassVar[frozenset[str]] = ALL_CAPABILITIES
+
 
 @configclass
 class NoMLPConfig(MLPConfig):
     """No MLP: the block's MLP part is skipped (Mamba-style blocks)."""
+
+    capabilities: ClassVar[frozenset[str]] = ALL_CAPABILITIES

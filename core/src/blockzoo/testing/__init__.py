@@ -1,0 +1,1 @@
+"""Helpers for testing blockzoo and its plugins (public: plugin authors use them too)."""
