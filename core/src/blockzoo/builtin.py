@@ -5,6 +5,7 @@ from __future__ import annotations
 from blockzoo.layers import config as layers
 from blockzoo.model import config as model
 from blockzoo.plugins import PluginInfo, hookimpl
+from blockzoo.training import config as training
 
 
 @hookimpl
@@ -24,7 +25,7 @@ def register_mlps(register) -> None:
 
 @hookimpl
 def register_blocks(register) -> None:
-    register("decoder", model.DecoderBlockConfig)
+    register("decoder", model.DecoderBlockConfig, "blockzoo.model.block:DecoderBlock")
     register("fixed", model.FixedBlockSequenceConfig)
     register("pattern", model.PatternBlockSequenceConfig)
 
@@ -34,6 +35,7 @@ def register_components(register) -> None:
     register("normal", layers.NormalInitializationConfig, "blockzoo.layers.initialization:initialize_normal")
     register("uniform", layers.UniformInitializationConfig, "blockzoo.layers.initialization:initialize_uniform")
     register("fill", layers.FillInitializationConfig, "blockzoo.layers.initialization:initialize_fill")
-    register("none", layers.NoNormalizationConfig)
-    register("rms_norm", layers.RMSNormalizationConfig)
-    register("layer_norm", layers.LayerNormalizationConfig)
+    register("none", layers.NoNormalizationConfig, "blockzoo.layers.normalization:Identity")
+    register("rms_norm", layers.RMSNormalizationConfig, "blockzoo.layers.normalization:RMSNorm")
+    register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")
+    register("adamw", training.AdamWConfig, "blockzoo.training.optimizer:AdamW")

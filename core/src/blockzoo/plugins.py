@@ -234,6 +234,10 @@ class Registry:
                 "register it in a plugin's hook"
             ) from None
 
+    def implementation_of(self, config: PolymorphicConfig) -> Any:
+        """The implementation registered for `config`'s type (None for a type that has none, such as `none`)."""
+        return self.resolve(config.kind, self.name_of(type(config))).load_implementation()
+
     def is_registered(self, config_class: type) -> bool:
         return config_class in self._names
 

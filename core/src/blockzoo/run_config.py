@@ -2,12 +2,59 @@
 
 from __future__ import annotations
 
-from blockzoo.config import Config, configclass, field
+from collections.abc import Iterator
+
+import attrs
+
+from blockzoo.config import Config, ConfigFieldError, configclass, field
 from blockzoo.distributed.config import DistributedConfig
-from blockzoo.model.config import ModelConfig
+from blockzoo.layers.config import (
+    SEQUENCE_DATA_PARALLEL,
+    SEQUENCE_TENSOR_PARALLEL,
+    TENSOR_PARALLEL,
+    MixerConfig,
+    MLPConfig,
+)
+from blockzoo.model.config import FixedBlockSequenceConfig, ModelConfig, PatternBlockSequenceConfig
 
 
 @configclass
 class RunConfig(Config):
     model: ModelConfig = field(factory=ModelConfig, doc="The model to build.")
     distributed: DistributedConfig = field(factory=DistributedConfig, doc="Parallel layout and numerics.")
+
+    def __attrs_post_init__(self) -> None:
+        # Refuse a layout a layer cannot run before anything is built.
+        needed = {
+            TENSOR_PARALLEL: (self.distributed.tensor_parallel > 1, "distributed.tensor_parallel"),
+            SEQUENCE_TENSOR_PARALLEL: (
+                self.distributed.uses_sequence_tensor_parallel,
+                "distributed.sequence_tensor_parallel",
+            ),
+            SEQUENCE_DATA_PARALLEL: (self.distributed.sequence_data_parallel > 1, "distributed.sequence_data_parallel"),
+        }
+        for path, layer in _mixers_and_mlps(self.model):
+            for capability, (used, setting) in needed.items():
+                if used and capability not in layer.capabilities:
+                    from blockzoo.plugins import get_registry
+
+                    name = get_registry().name_of(type(layer))
+                    raise ConfigFieldError(
+                        path, f"{layer.kind} type {name!r} does not support {capability.replace('_', '-')} ({setting})"
+                    )
+
+
+def _mixers_and_mlps(model: ModelConfig) -> Iterator[tuple[str, MixerConfig | MLPConfig]]:
+    """(path, config) of every mixer and MLP of the model's blocks, paths relative to the run config."""
+    decoder = model.decoder
+    if isinstance(decoder, FixedBlockSequenceConfig):
+        blocks = {"model.decoder.block": decoder.block}
+    elif isinstance(decoder, PatternBlockSequenceConfig):
+        blocks = {f"model.decoder.blocks.{name}": block for name, block in decoder.blocks.items()}
+    else:
+        blocks = {f"model.decoder.{index}": block for index, (_, block) in enumerate(decoder.expanded_blocks())}
+    for path, block in blocks.items():
+        for attribute in attrs.fields(type(block)):
+            value = getattr(block, attribute.name)
+            if isinstance(value, (MixerConfig, MLPConfig)):
+                yield f"{path}.{attribute.name}", value

@@ -34,6 +34,11 @@ class DistributedConfig(Config):
 
     def __attrs_post_init__(self) -> None:
         check(self.pipeline_parallel == 1, "pipeline_parallel", "pipeline parallelism is not implemented yet; use 1")
+        check(
+            self.sequence_data_parallel == 1,
+            "sequence_data_parallel",
+            "sequence-data parallelism is not implemented yet; use 1",
+        )
 
     @property
     def model_parallel(self) -> int:

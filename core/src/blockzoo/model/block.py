@@ -1,0 +1,62 @@
+"""The `decoder` block: norm → mixer → residual → norm → MLP → residual, either part optional."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import Batch
+from blockzoo.layers.dims import TensorDim
+from blockzoo.model.config import DecoderBlockConfig
+from blockzoo.plugins import get_registry
+
+
+def build_part(config: Any, *, name: str, **kwargs: Any) -> nn.Module | None:
+    """Build a mixer, MLP or normalization from its config through its registered implementation (None for `none`)."""
+    implementation = get_registry().implementation_of(config)
+    return None if implementation is None else implementation(config, name=name, **kwargs)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(
+        self, config: DecoderBlockConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
+    ):
+        super().__init__()
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        common = {"hidden_dim": hidden_dim, "distributed": distributed, "lr_scale": lr_scale}
+        self.mixer = build_part(config.mixer, name=f"{name}.mixer", **common)
+        self.mlp = build_part(config.mlp, name=f"{name}.mlp", **common)
+        # Module names follow the parts they normalize, so a block without an MLP has no `norm_2`.
+        if self.mixer is not None:
+            self.norm_1 = build_part(config.normalization, name=f"{name}.norm_1", **common)
+            if config.post_mixer_normalization is not None:
+                self.post_mixer_norm = build_part(
+                    config.post_mixer_normalization, name=f"{name}.post_mixer_norm", **common
+                )
+        if self.mlp is not None:
+            self.norm_2 = build_part(config.normalization, name=f"{name}.norm_2", **common)
+            if config.post_mlp_normalization is not None:
+                self.post_mlp_norm = build_part(config.post_mlp_normalization, name=f"{name}.post_mlp_norm", **common)
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
+        if self.mixer is not None:
+            output = self.mixer(self.norm_1(hidden), batch, state)
+            if hasattr(self, "post_mixer_norm"):
+                output = self.post_mixer_norm(output)
+            hidden = hidden + output
+        if self.mlp is not None:
+            output = self.mlp(self.norm_2(hidden), batch)
+            if hasattr(self, "post_mlp_norm"):
+                output = self.post_mlp_norm(output)
+            hidden = hidden + output
+        return hidden
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        parts = [part.flops(batch) for part in (self.mixer, self.mlp) if part is not None]
+        return sum(f for f, _ in parts), sum(b for _, b in parts)
+
+    def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> Any:
+        return None if self.mixer is None else self.mixer.new_state(num_sequences, max_length, device, dtype)

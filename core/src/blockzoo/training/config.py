@@ -1,0 +1,72 @@
+"""Configs of training: optimizer, learning-rate schedule, the loop. Torch-free."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from blockzoo.config import Config, PolymorphicConfig, at_least, check, configclass, field, greater_than
+
+
+@configclass
+class OptimizerConfig(PolymorphicConfig):
+    kind: ClassVar[str] = "optimizer"
+    default_type: ClassVar[str] = "adamw"
+
+
+@configclass
+class AdamWConfig(OptimizerConfig):
+    learning_rate: float = field(
+        3.0e-4, doc="Peak learning rate (parameters scale it by their lr_scale).", validator=greater_than(0)
+    )
+    beta_1: float = field(0.9, doc="Decay of the first moment.", validator=at_least(0))
+    beta_2: float = field(0.95, doc="Decay of the second moment.", validator=at_least(0))
+    epsilon: float = field(1.0e-8, doc="Added to the denominator.", validator=greater_than(0))
+    weight_decay: float = field(
+        0.1, doc="Decoupled weight decay of the parameters that take it.", validator=at_least(0)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(self.beta_1 < 1, "beta_1", f"must be < 1, got {self.beta_1}")
+        check(self.beta_2 < 1, "beta_2", f"must be < 1, got {self.beta_2}")
+
+
+@configclass
+class ScheduleConfig(Config):
+    """Linear warmup from 0, then a decay to `minimum_learning_rate_ratio` × the peak at the last step."""
+
+    warmup_iters: int = field(0, doc="Steps of linear warmup.", validator=at_least(0))
+    decay: Literal["cosine", "linear", "constant"] = field("cosine", doc="Shape of the decay after warmup.")
+    minimum_learning_rate_ratio: float = field(0.1, doc="Final learning rate / peak.", validator=at_least(0))
+
+
+@configclass
+class EvaluationConfig(Config):
+    interval: int | None = field(
+        None, doc="Evaluate every this many steps (and at the end); None: never.", validator=at_least(1)
+    )
+    iters: int = field(10, doc="Micro-batches of the validation split per evaluation.", validator=at_least(1))
+
+
+@configclass
+class TrainingConfig(Config):
+    train_iters: int = field(1000, doc="Optimizer steps of the whole run.", validator=at_least(1))
+    gradient_accumulation: int = field(
+        1, doc="Micro-batches per optimizer step on each data-parallel rank.", validator=at_least(1)
+    )
+    optimizer: OptimizerConfig = field(factory=AdamWConfig, doc="The optimizer.")
+    schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="The learning-rate schedule.")
+    gradient_clipping: float | None = field(
+        1.0, doc="Clip the global gradient norm to this; None: no clipping.", validator=greater_than(0)
+    )
+    log_interval: int = field(10, doc="Log every this many steps.", validator=at_least(1))
+    evaluation: EvaluationConfig = field(factory=EvaluationConfig, doc="Evaluation on the validation split.")
+    output_dir: str = field("runs/blockzoo", doc="Where checkpoints go; a run resumes from the latest one there.")
+    checkpoint_interval: int | None = field(
+        None, doc="Save every this many steps (and at the end); None: only at the end.", validator=at_least(1)
+    )
+    checkpoint_keep: int = field(3, doc="How many of the latest checkpoints to keep.", validator=at_least(1))
+    peak_tflops: float | None = field(
+        None,
+        doc="The device's peak for MFU; None: known GPUs (H100/H200: 989), else MFU is not reported.",
+        validator=greater_than(0),
+    )
