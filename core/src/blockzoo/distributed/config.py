@@ -22,9 +22,6 @@ class DistributedConfig(Config):
     )
     sequence_data_parallel: int = field(1, doc="Ranks that split each sequence's tokens.", validator=greater_than(0))
     pipeline_parallel: int = field(1, doc="Pipeline stages.", validator=greater_than(0))
-    zero_stage: Literal[0, 1, 2, 3] = field(
-        1, doc="Sharding over data-parallel ranks: 1 optimizer state, 2 also gradients, 3 also weights."
-    )
     compute_dtype: Literal["fp32", "bf16"] = field(
         "fp32", doc="Dtype of the forward and backward passes (master weights stay fp32)."
     )

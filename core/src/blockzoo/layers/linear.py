@@ -9,6 +9,10 @@
 - Neither ⇒ plain. Under sequence-tensor-parallel its input is taken to be token-split (the residual
   stream), so its replicated parameters are flagged for a gradient sum over the tensor group, as is
   the bias of a row-parallel linear.
+- Neither, but `inside_tensor_region` ⇒ replicated inside the tensor-parallel region (MQA's key/value
+  when the query heads are split): its input enters the region as a column-parallel linear's does, and
+  since each rank's output only feeds that rank's share of the work, its gradients are partial sums,
+  flagged for a sum over the tensor group.
 
 Activations are packed `[tokens, features]`.
 """
@@ -48,13 +52,15 @@ class Linear(nn.Module):
         default_initialization: InitializationConfig,
         default_bias: bool = False,
         lr_scale: float = 1.0,
+        inside_tensor_region: bool = False,
         device: torch.device | str | None = None,
     ):
         """`name`: the full name of the layer (its parameters are `name.weight`, `name.bias`).
 
         `config`: one `LinearConfig`, or one per component of a concatenated `output_dim`, each honoured
         for its rows of the weight and bias. `default_bias` is the parent's `add_linear_biases`,
-        `lr_scale` the parent's learning-rate scale. `device="meta"` skips initialization.
+        `lr_scale` the parent's learning-rate scale. `inside_tensor_region`: a replicated linear whose output
+        feeds this rank's share of tensor-parallel work (see the module doc). `device="meta"` skips initialization.
         """
         super().__init__()
         if input_dim.parallel and output_dim.parallel:
@@ -65,8 +71,11 @@ class Linear(nn.Module):
         self.name = name
         self.input_dim = input_dim
         self.output_dim = output_dim
+        if inside_tensor_region and (input_dim.parallel or output_dim.parallel):
+            raise ValueError(f"linear {name!r}: only a replicated linear can be marked inside the tensor region")
         self.column_parallel = output_dim.parallel
         self.row_parallel = input_dim.parallel
+        self.inside_tensor_region = inside_tensor_region
         self._tensor_group = distributed.tensor_group
         self._sequence_tensor_parallel = distributed.sequence_tensor_parallel
 
@@ -76,7 +85,8 @@ class Linear(nn.Module):
             (output_dim, input_dim),
             weight_settings,
             distributed,
-            token_sharded_input=not (self.column_parallel or self.row_parallel),
+            token_sharded_input=not (self.column_parallel or self.row_parallel or inside_tensor_region),
+            partial_gradient=inside_tensor_region,
             device=device,
         )
         bias_settings = [c.resolve_bias(enabled=default_bias, lr_scale=lr_scale) for c in configs]
@@ -90,7 +100,8 @@ class Linear(nn.Module):
                 (output_dim,),
                 bias_settings,
                 distributed,
-                token_sharded_input=not self.column_parallel,
+                token_sharded_input=not (self.column_parallel or inside_tensor_region),
+                partial_gradient=inside_tensor_region,
                 device=device,
             )
         )
@@ -99,7 +110,7 @@ class Linear(nn.Module):
         # Master weights stay fp32; compute in the activations' dtype.
         weight = self.weight.to(input.dtype)
         bias = None if self.bias is None else self.bias.to(input.dtype)
-        if self.column_parallel:
+        if self.column_parallel or self.inside_tensor_region:
             enter = gather_tokens if self._sequence_tensor_parallel else copy_to_tensor_region
             return F.linear(enter(input, self._tensor_group), weight, bias)
         if self.row_parallel:
@@ -117,5 +128,13 @@ class Linear(nn.Module):
         return self.forward_flops(tokens) * (2 if self.weight.requires_grad else 1)
 
     def extra_repr(self) -> str:
-        layout = "column-parallel" if self.column_parallel else "row-parallel" if self.row_parallel else "replicated"
+        layout = (
+            "column-parallel"
+            if self.column_parallel
+            else "row-parallel"
+            if self.row_parallel
+            else "replicated in the tensor region"
+            if self.inside_tensor_region
+            else "replicated"
+        )
         return f"{self.name}: {self.input_dim} -> {self.output_dim}, {layout}, bias={self.bias is not None}"

@@ -34,8 +34,9 @@ class ParameterMeta:
 
     `settings` holds one `ResolvedParameter`, or one per component of the first dim (a concatenated
     dim such as key‖value), which then applies to the rows `component_rows` of the local tensor.
-    `reduce_gradient_over_tensor_group` marks a replicated parameter that only sees this rank's tokens
-    under sequence-tensor-parallel: its gradient must be summed over the tensor group.
+    `reduce_gradient_over_tensor_group` marks a replicated parameter whose gradient on each rank is a
+    partial sum (it only sees this rank's tokens under sequence-tensor-parallel, or this rank's share of
+    the work inside the tensor-parallel region): its gradient must be summed over the tensor group.
     """
 
     name: str
@@ -95,6 +96,7 @@ def create_parameter(
     distributed: Distributed,
     *,
     token_sharded_input: bool = False,
+    partial_gradient: bool = False,
     device: torch.device | str | None = None,
 ) -> nn.Parameter:
     """Make and initialize this rank's shard of parameter `name` (its full name, e.g. `decoder.0.mlp.up.weight`).
@@ -102,6 +104,9 @@ def create_parameter(
     `settings`: one for the whole parameter, or one per component of `dims[0]` (a `ConcatenatedTensorDim`).
     `token_sharded_input`: the parameter acts on activations split along tokens under sequence-tensor-
     parallel; if replicated, its gradient is then flagged for a sum over the tensor group.
+    `partial_gradient`: a replicated parameter used inside the tensor-parallel region by this rank's share
+    of the work only (e.g. MQA's key/value when the query heads are split, per-head norm weights): its
+    gradient is flagged for a sum over the tensor group whenever tensor-parallel.
     `device`: defaults to the run's device; "meta" makes an uninitialized parameter (see `materialize`).
     A parameter whose settings are all frozen (lr_scale 0) does not require gradients.
     """
@@ -110,6 +115,10 @@ def create_parameter(
     tensor_parallel = any(dim.parallel for dim in dims)
     if token_sharded_input and tensor_parallel:
         raise ValueError(f"parameter {name!r} is split between tensor-parallel ranks, so it cannot see token shards")
+    if partial_gradient and (tensor_parallel or token_sharded_input):
+        raise ValueError(
+            f"parameter {name!r}: a partial gradient is for replicated parameters inside the tensor region"
+        )
     try:
         local_shape = tuple(dim.local_size(distributed.tensor_size) for dim in dims)
     except ValueError as error:
@@ -121,7 +130,8 @@ def create_parameter(
         settings=settings,
         component_rows=tuple(_component_rows(name, dims, len(settings), distributed.tensor_size)),
         tensor_parallel=tensor_parallel,
-        reduce_gradient_over_tensor_group=token_sharded_input and distributed.config.uses_sequence_tensor_parallel,
+        reduce_gradient_over_tensor_group=(token_sharded_input and distributed.config.uses_sequence_tensor_parallel)
+        or (partial_gradient and distributed.tensor_size > 1),
     )
     parameter = nn.Parameter(
         torch.empty(local_shape, device=distributed.device if device is None else device),
