@@ -9,3 +9,11 @@ def fresh_registry():
     reset_registry()
     yield
     reset_registry()
+
+
+@pytest.fixture
+def core_only_registry(monkeypatch):
+    """A registry of the core's own plugin only, whatever else is installed."""
+    from blockzoo import plugins
+
+    monkeypatch.setattr(plugins, "_registry", plugins.discover({"BLOCKZOO_PLUGINS": ""}))

@@ -131,7 +131,7 @@ def test_validation_errors_point_to_the_field():
     assert "never used" in errors_of({"model": {"decoder": unused}})["model.decoder.blocks.z"]
 
 
-def test_missing_plugin_type_says_what_to_install(fresh_registry):
+def test_missing_plugin_type_says_what_to_install(core_only_registry):
     # The default mixer type is `attention`; without its plugin the error says where it comes from.
     message = errors_of({"model": {"decoder": {"block": {"mlp": {"type": "none"}}}}})["model.decoder.block.mixer.type"]
     assert "default mixer type" in message and "blockzoo-attention" in message

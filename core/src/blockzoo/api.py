@@ -24,20 +24,36 @@ from blockzoo.config import (
 )
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.layers.config import (
+    ALL_CAPABILITIES,
+    GENERATION_CACHE,
+    ONES,
+    SEQUENCE_DATA_PARALLEL,
+    SEQUENCE_TENSOR_PARALLEL,
+    TENSOR_PARALLEL,
+    ZEROS,
     BiasConfig,
+    FillInitializationConfig,
     InitializationConfig,
     LinearConfig,
     MixerConfig,
     MLPConfig,
+    NormalInitializationConfig,
     NormalizationConfig,
     ParameterConfig,
     ResolvedParameter,
+    UniformInitializationConfig,
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
-from blockzoo.plugins import PLUGIN_API, PluginInfo, hookimpl
+from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
 
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
+    "IGNORE_INDEX": "blockzoo.layers.base",
+    "Batch": "blockzoo.layers.base",
+    "Layer": "blockzoo.layers.base",
+    "Mixer": "blockzoo.layers.base",
+    "MLP": "blockzoo.layers.base",
+    "build_part": "blockzoo.model.block",
     "TensorDim": "blockzoo.layers.dims",
     "CompositeTensorDim": "blockzoo.layers.dims",
     "ConcatenatedTensorDim": "blockzoo.layers.dims",
@@ -50,11 +66,22 @@ _LAZY = {
 }
 
 __all__ = [
+    "ALL_CAPABILITIES",
+    "GENERATION_CACHE",
+    "ONES",
     "PLUGIN_API",
+    "SEQUENCE_DATA_PARALLEL",
+    "SEQUENCE_TENSOR_PARALLEL",
+    "TENSOR_PARALLEL",
+    "ZEROS",
+    "FillInitializationConfig",
+    "NormalInitializationConfig",
+    "UniformInitializationConfig",
     "BiasConfig",
     "BlockConfig",
     "BlockSequenceConfig",
     "Config",
+    "get_registry",
     "ConfigError",
     "ConfigFieldError",
     "DistributedConfig",

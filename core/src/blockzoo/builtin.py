@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from blockzoo import data
 from blockzoo.layers import config as layers
 from blockzoo.model import config as model
 from blockzoo.plugins import PluginInfo, hookimpl
@@ -39,3 +40,4 @@ def register_components(register) -> None:
     register("rms_norm", layers.RMSNormalizationConfig, "blockzoo.layers.normalization:RMSNorm")
     register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")
     register("adamw", training.AdamWConfig, "blockzoo.training.optimizer:AdamW")
+    data.register(register)

@@ -44,12 +44,80 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--check", action="store_true", help="also build every type and check the environment")
     plugins.set_defaults(run=_plugins)
 
+    train = commands.add_parser("train", help="train a model (one process, or every rank under torchrun)")
+    train.add_argument("path", metavar="CONFIG", help="a YAML run config")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.train_iters=100")
+    train.set_defaults(run=_train)
+
+    generate = commands.add_parser("generate", help="continue a prompt with a trained model")
+    generate.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint, or a run's output_dir (its latest)")
+    generate.add_argument("--prompt", action="append", required=True, help="text to continue (repeat for several)")
+    generate.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    generate.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K likeliest tokens")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    generate.set_defaults(run=_generate)
+
+    from blockzoo.data.cli import register_data_command
+
+    register_data_command(commands)
+
     config = commands.add_parser("config", help="validate a config and print it resolved")
     config.add_argument("path", metavar="CONFIG", help="a YAML run config")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.hidden_size=512")
     config.add_argument("--explicit", action="store_true", help="print only what the file and overrides set")
     config.set_defaults(run=_config)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# blockzoo train, blockzoo generate
+
+
+def _train(arguments: argparse.Namespace) -> int:
+    from blockzoo.config import load
+    from blockzoo.distributed.runtime import Distributed
+    from blockzoo.run_config import RunConfig
+    from blockzoo.training.trainer import Trainer, TrainingError
+
+    run_config = load(RunConfig, arguments.path, arguments.overrides)
+    with Distributed(run_config.distributed) as distributed:
+        try:
+            Trainer(run_config, distributed=distributed).run()
+        except TrainingError as error:
+            print(f"blockzoo: error: {error}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _generate(arguments: argparse.Namespace) -> int:
+    import torch
+
+    from blockzoo.data.dataset import build_dataset
+    from blockzoo.model.factory import load
+
+    if arguments.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
+    if arguments.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {arguments.temperature}")
+    model = load(arguments.checkpoint)
+    run_config = model.run_config
+    tokenizer = build_dataset(run_config.data, seed=run_config.distributed.seed).tokenizer
+    if tokenizer is None:
+        raise UsageError(f"the checkpoint's data ({run_config.data.kind} type) has no tokenizer to encode a prompt")
+    prompts = [tokenizer.encode(prompt) for prompt in arguments.prompt]
+    generator = torch.Generator().manual_seed(arguments.seed)
+    outputs = model.generate(
+        prompts,
+        arguments.max_new_tokens,
+        temperature=arguments.temperature,
+        top_k=arguments.top_k,
+        generator=generator,
+        stop_token=getattr(tokenizer, "eod_token_id", None),
+    )
+    for prompt, output in zip(arguments.prompt, outputs):
+        print(prompt + tokenizer.decode(output))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

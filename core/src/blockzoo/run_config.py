@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import attrs
 
-from blockzoo.config import Config, ConfigFieldError, configclass, field
+from blockzoo.config import Config, ConfigFieldError, configclass, field, structure
+from blockzoo.data.config import DatasetConfig
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.layers.config import (
     SEQUENCE_DATA_PARALLEL,
@@ -16,12 +17,17 @@ from blockzoo.layers.config import (
     MLPConfig,
 )
 from blockzoo.model.config import FixedBlockSequenceConfig, ModelConfig, PatternBlockSequenceConfig
+from blockzoo.training.config import TrainingConfig
 
 
 @configclass
 class RunConfig(Config):
     model: ModelConfig = field(factory=ModelConfig, doc="The model to build.")
     distributed: DistributedConfig = field(factory=DistributedConfig, doc="Parallel layout and numerics.")
+    data: DatasetConfig = field(
+        factory=lambda: structure({}, DatasetConfig, root="data"), doc="Training and evaluation data."
+    )
+    training: TrainingConfig = field(factory=TrainingConfig, doc="Optimizer, schedule, loop, checkpoints.")
 
     def __attrs_post_init__(self) -> None:
         # Refuse a layout a layer cannot run before anything is built.

@@ -133,11 +133,13 @@ class Distributed:
 
     # -- gradients -----------------------------------------------------------------------------------------------------
 
-    def reduce_sequence_parallel_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
-        """Sum over the tensor group the gradients of replicated parameters that only saw this rank's tokens.
+    def reduce_replicated_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Sum over the tensor group the partial gradients of replicated parameters.
 
-        Those are the parameters flagged `meta.reduce_gradient_over_tensor_group` (sequence-tensor-parallel);
-        call after the backward pass, before the data-parallel reduction and the optimizer step.
+        Those are the parameters flagged `meta.reduce_gradient_over_tensor_group`: they saw only this rank's
+        tokens (sequence-tensor-parallel) or only this rank's heads (a replicated layer inside the tensor
+        region). Call after every backward pass of a tensor-parallel run, before the data-parallel reduction
+        and the optimizer step.
         """
         grads = [
             parameter.grad

@@ -22,6 +22,8 @@ from torch import nn
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.dims import TensorDim
 
+IGNORE_INDEX = -100  # The label of a token with no target (its next token is in another document, or absent).
+
 
 class Batch:
     """The documents of one packed micro-batch, and what layers compute from them once.

@@ -15,14 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import Batch
+from blockzoo.layers.base import IGNORE_INDEX, Batch
 from blockzoo.layers.config import NormalInitializationConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.block import build_part
 from blockzoo.model.config import EmbeddingsConfig, HeadConfig, ModelConfig
-
-IGNORE_INDEX = -100
 
 
 def own_tokens(tensor: torch.Tensor, distributed: Distributed) -> torch.Tensor:

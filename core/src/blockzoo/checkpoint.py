@@ -1,0 +1,492 @@
+"""Native checkpoints (DESIGN.md "Checkpoints and formats").
+
+A checkpoint is a directory:
+
+- `config.yaml`: the full resolved run config;
+- `metadata.yaml`: the format version, the blockzoo version, every plugin whose types the config uses
+  (name, distribution, version, types), the step, the data position (`data`), any other trainer state
+  (`extra`, plain YAML data) and the files written;
+- `model.safetensors`: every parameter as its global tensor, whatever the parallel layout, under its
+  name in `model.named_parameters()` (tied parameters once);
+- `optimizer.safetensors` (when an optimizer is given): each parameter's optimizer state as
+  `<parameter name>/<state key>` (AdamW: `step`, `exp_avg`, `exp_avg_sq`); a state tensor shaped like
+  its parameter is stored global like it, a scalar as it is.
+
+No pickle: tensors go to safetensors, everything else to YAML. Rank 0 writes, after the ranks gathered
+the global tensors, into a temporary directory beside the target that is then renamed, so a crash
+mid-save leaves the previous checkpoint as it was. Loading, each rank takes its own shard of every
+global tensor, so any parallel layout loads a checkpoint of any other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import yaml
+from packaging.version import InvalidVersion, Version
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from blockzoo import __version__
+from blockzoo.config import Config, PolymorphicConfig, to_yaml
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.plugins import get_registry
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.yaml"
+METADATA_FILE = "metadata.yaml"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+_STEP_DIRECTORY = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read as asked; names the file and what is wrong."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    run_config: Config,
+    step: int,
+    distributed: Distributed,
+    data_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it; rank 0 writes.
+
+    `data_state` is the data position, `extra` any other trainer state: plain YAML data (numbers, strings,
+    lists, mappings, bytes). An existing checkpoint at `directory` is replaced only once the new one is
+    complete.
+    """
+    directory = Path(directory)
+    files = [MODEL_FILE] if optimizer is None else [MODEL_FILE, OPTIMIZER_FILE]
+    # Built on every rank before any collective, so that bad trainer state fails everywhere alike.
+    metadata = _yaml_text(
+        {
+            "format_version": FORMAT_VERSION,
+            "blockzoo_version": __version__,
+            "step": step,
+            "plugins": _plugins_used(run_config),
+            "data": dict(data_state or {}),
+            "extra": dict(extra or {}),
+            "files": files,
+        },
+        "the checkpoint metadata (data_state, extra)",
+    )
+    config = to_yaml(run_config)
+    writer = distributed.rank == 0
+    weights = _gather_weights(model, distributed, keep=writer)
+    optimizer_state = (
+        None if optimizer is None else _gather_optimizer_state(directory, model, optimizer, distributed, keep=writer)
+    )
+    failure: BaseException | None = None
+    if writer:
+        try:
+            _write(directory, config=config, metadata=metadata, weights=weights, optimizer_state=optimizer_state)
+        except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+            failure = error
+    _share_outcome(distributed, failure, directory)
+    return directory
+
+
+def _gather_weights(model: nn.Module, distributed: Distributed, *, keep: bool) -> dict[str, torch.Tensor]:
+    weights = {}
+    for name, parameter in model.named_parameters():
+        tensor = _to_global(parameter.detach(), parameter, distributed)
+        if keep:
+            weights[name] = tensor
+    return weights
+
+
+def _gather_optimizer_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: Distributed, *, keep: bool
+) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, parameter in model.named_parameters():
+        for key, value in optimizer.state.get(parameter, {}).items():
+            if not isinstance(value, torch.Tensor) or value.shape not in (parameter.shape, torch.Size()):
+                raise CheckpointError(
+                    directory / OPTIMIZER_FILE,
+                    f"optimizer state {key!r} of parameter {name!r} is {_describe(value)}; only scalars and tensors "
+                    f"shaped like the parameter {tuple(parameter.shape)} can be saved",
+                )
+            tensor = _to_global(value, parameter, distributed) if value.ndim else value.cpu()
+            if keep:
+                tensors[f"{name}/{key}"] = tensor
+    return tensors
+
+
+def _to_global(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distributed) -> torch.Tensor:
+    """The global tensor of a parameter-shaped `tensor` (all tensor-parallel ranks take part), on the CPU."""
+    meta = getattr(parameter, "meta", None)
+    if meta is not None:  # Parameters not made by the parameter factory are replicated.
+        tensor = meta.local_to_global(tensor, distributed.tensor_group)
+    return tensor.cpu().contiguous()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _plugins_used(run_config: Config) -> dict[str, dict[str, Any]]:
+    """Every plugin that provides a type the config uses: its distribution, version and those types."""
+    registry = get_registry()
+    plugins: dict[str, dict[str, Any]] = {}
+    for node in _polymorphic_nodes(run_config):
+        name = registry.name_of(type(node))
+        record = registry.resolve(node.kind, name).plugin
+        entry = plugins.setdefault(
+            record.name, {"distribution": record.distribution, "version": record.version, "types": []}
+        )
+        if f"{node.kind}:{name}" not in entry["types"]:
+            entry["types"].append(f"{node.kind}:{name}")
+    for entry in plugins.values():
+        entry["types"].sort()
+    return dict(sorted(plugins.items()))
+
+
+def _polymorphic_nodes(value: Any) -> Iterator[PolymorphicConfig]:
+    if isinstance(value, PolymorphicConfig):
+        yield value
+    if isinstance(value, Config):
+        for attribute in attrs.fields(type(value)):
+            yield from _polymorphic_nodes(getattr(value, attribute.name))
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _polymorphic_nodes(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _polymorphic_nodes(item)
+
+
+def _yaml_text(data: Mapping[str, Any], what: str) -> str:
+    try:
+        return yaml.safe_dump(dict(data), sort_keys=False)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{what} must be plain data (numbers, strings, lists, mappings, bytes): {error}") from None
+
+
+def _write(
+    directory: Path,
+    *,
+    config: str,
+    metadata: str,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, torch.Tensor] | None,
+) -> None:
+    if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
+        raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temporary = directory.parent / f".{directory.name}.partial"
+    if temporary.exists():  # Left by a save that crashed.
+        shutil.rmtree(temporary)
+    temporary.mkdir()
+    try:
+        save_file(weights, temporary / MODEL_FILE)
+        if optimizer_state is not None:
+            save_file(optimizer_state, temporary / OPTIMIZER_FILE)
+        (temporary / CONFIG_FILE).write_text(config)
+        (temporary / METADATA_FILE).write_text(metadata)
+        for path in temporary.iterdir():
+            _fsync(path)
+        _replace(temporary, directory)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _fsync(directory.parent)
+
+
+def _replace(source: Path, target: Path) -> None:
+    """Rename `source` to `target`; an existing `target` is moved aside first and removed last."""
+    if not target.exists():
+        source.rename(target)
+        return
+    previous = target.parent / f".{target.name}.previous"
+    if previous.exists():
+        shutil.rmtree(previous)
+    target.rename(previous)
+    source.rename(target)
+    shutil.rmtree(previous)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _share_outcome(distributed: Distributed, failure: BaseException | None, directory: Path) -> None:
+    """Every rank learns whether rank 0 wrote the checkpoint (and none runs ahead of it); rank 0 re-raises."""
+    if distributed.world_size > 1:
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=distributed.device)
+        dist.broadcast(failed, src=0)
+        if failed.item() and failure is None:
+            raise CheckpointError(directory, "rank 0 failed to write the checkpoint (its error is in its log)")
+    if failure is not None:
+        raise failure
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding and pruning
+
+
+def _step_directories(root: Path) -> list[tuple[int, Path]]:
+    """Complete `step_<N>` checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIRECTORY.fullmatch(path.name)
+        if match and (path / METADATA_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The `step_<N>` checkpoint under `root` with the highest N, or None."""
+    found = _step_directories(Path(root))
+    return found[-1][1] if found else None
+
+
+def keep_last(root: str | Path, count: int) -> list[Path]:
+    """Remove all but the `count` latest `step_<N>` checkpoints under `root` (call on one rank); returns the removed."""
+    if count < 1:
+        raise ValueError(f"keep_last: count must be >= 1, got {count}")
+    removed = [path for _, path in _step_directories(Path(root))[:-count]]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
+    """The run config of a checkpoint as plain data (structure it with `RunConfig`, overrides as an update)."""
+    directory = Path(directory)
+    _read_metadata(directory)
+    return _read_yaml(directory / CONFIG_FILE)
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    distributed: Distributed,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a checkpoint: (config data, metadata), and fill `model`'s parameters and `optimizer`'s state in place.
+
+    Every rank calls it and takes its own shards. Nothing is changed unless every tensor is there with its shape.
+    """
+    directory = Path(directory)
+    metadata = _read_metadata(directory)
+    config = _read_yaml(directory / CONFIG_FILE)
+    if optimizer is not None and model is None:
+        raise ValueError("load_checkpoint: loading optimizer state needs the model (its parameter names)")
+    if optimizer is not None and OPTIMIZER_FILE not in metadata["files"]:
+        raise CheckpointError(directory / OPTIMIZER_FILE, "this checkpoint was saved without optimizer state")
+    if model is not None:
+        with _TensorFile(directory / MODEL_FILE) as weights:
+            _check_weights(weights, model)
+            if optimizer is not None:  # Read (and checked) before any parameter changes.
+                with _TensorFile(directory / OPTIMIZER_FILE) as states:
+                    optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
+            _copy_weights(weights, model, distributed)
+        if optimizer is not None:
+            # Through `load_state_dict`: torch places each state tensor (device, dtype) as the optimizer expects.
+            state_dict = optimizer.state_dict()
+            state_dict["state"] = optimizer_state
+            optimizer.load_state_dict(state_dict)
+    return config, metadata
+
+
+def _read_metadata(directory: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise CheckpointError(directory, "no such checkpoint directory")
+    path = directory / METADATA_FILE
+    metadata = _read_yaml(path)
+    required = {"format_version": int, "blockzoo_version": str, "step": int, "plugins": dict, "files": list}
+    for key, kind in required.items():
+        if not isinstance(metadata.get(key), kind):
+            raise CheckpointError(path, f"`{key}` is missing or not a {kind.__name__}: {metadata.get(key)!r}")
+    if not 1 <= metadata["format_version"] <= FORMAT_VERSION:
+        raise CheckpointError(
+            path,
+            f"checkpoint format version {metadata['format_version']} is unknown to blockzoo {__version__} (it reads "
+            f"format {FORMAT_VERSION} and older); a newer blockzoo may read it",
+        )
+    try:
+        written_by = Version(metadata["blockzoo_version"])
+    except InvalidVersion:
+        raise CheckpointError(
+            path, f"unknown blockzoo version {metadata['blockzoo_version']!r} (not a version number)"
+        ) from None
+    if written_by.major > Version(__version__).major:
+        raise CheckpointError(
+            path,
+            f"written by blockzoo {written_by}, a newer major version than this blockzoo {__version__}; "
+            "upgrade blockzoo to load it",
+        )
+    _check_plugins(path, metadata["plugins"])
+    for file in metadata["files"]:
+        if not (directory / file).is_file():
+            raise CheckpointError(directory / file, "missing: the checkpoint lists it but the file is not there")
+    return metadata
+
+
+def _check_plugins(path: Path, plugins: Mapping[str, Any]) -> None:
+    """Every plugin the checkpoint's config needs is installed and loaded."""
+    installed = get_registry().plugins.values()
+    records = {record.name: record for record in installed if record.status == "loaded"}
+    failed = {record.name: record for record in installed if record.status != "loaded"}
+    for name, needed in plugins.items():
+        if name in records:
+            continue
+        needed = needed if isinstance(needed, Mapping) else {}
+        described = f"plugin {name!r}"
+        if needed.get("distribution"):
+            described += f" ({needed['distribution']} {needed.get('version')})"
+        types = ", ".join(needed.get("types") or ())
+        if name in failed:
+            record = failed[name]
+            reason = f"is installed but {record.status}: {record.error}"
+        else:
+            reason = "is not installed"
+        raise CheckpointError(path, f"the checkpoint needs {described}, which {reason} (it provides: {types})")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(path, "missing: not a complete checkpoint")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise CheckpointError(path, f"cannot be read: {error}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(path, f"expected a mapping, found {type(data).__name__}")
+    return data
+
+
+class _TensorFile:
+    """A safetensors file read tensor by tensor, with errors that name it. Use as a context manager."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if not path.is_file():
+            raise CheckpointError(path, "missing: not a complete checkpoint")
+        try:
+            self._file = safe_open(str(path), framework="pt", device="cpu")
+            self._handle = self._file.__enter__()
+            names = self._handle.keys()
+            self.shapes = {name: tuple(self._handle.get_slice(name).get_shape()) for name in names}
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(path, f"corrupted or truncated safetensors file: {error}") from None
+
+    def __enter__(self) -> _TensorFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._file.__exit__(*exc_info)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(self.path, f"cannot read tensor {name!r}: {error}") from None
+
+    def error(self, problem: str) -> CheckpointError:
+        return CheckpointError(self.path, problem)
+
+
+def _global_shape(parameter: nn.Parameter) -> tuple[int, ...]:
+    meta = getattr(parameter, "meta", None)
+    return tuple(parameter.shape) if meta is None else meta.global_shape
+
+
+def _to_local(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distributed) -> torch.Tensor:
+    meta = getattr(parameter, "meta", None)
+    if meta is None:
+        return tensor
+    return meta.global_to_local(tensor, distributed.tensor_rank, distributed.tensor_size)
+
+
+def _check_weights(file: _TensorFile, model: nn.Module) -> None:
+    """Every parameter of the model is in the file with its global shape, and nothing else is."""
+    parameters = dict(model.named_parameters())
+    if missing := [name for name in parameters if name not in file.shapes]:
+        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise file.error(f"tensor {missing[0]!r} is missing{more}")
+    if unexpected := sorted(set(file.shapes) - set(parameters)):
+        raise file.error(f"the model has no parameter {', '.join(map(repr, unexpected))} that the file holds")
+    for name, parameter in parameters.items():
+        if (shape := file.shapes[name]) != (expected := _global_shape(parameter)):
+            raise file.error(f"tensor {name!r} has shape {list(shape)}, the model expects {list(expected)}")
+
+
+def _copy_weights(file: _TensorFile, model: nn.Module, distributed: Distributed) -> None:
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(_to_local(file.get(name), parameter, distributed))
+
+
+def _read_optimizer_state(
+    file: _TensorFile, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: Distributed
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The optimizer's `state_dict()["state"]`: this rank's shards, by the parameters' indices in the optimizer."""
+    parameters = dict(model.named_parameters())
+    optimized = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    index_of = {id(parameter): index for index, parameter in enumerate(optimized)}
+    keys: dict[str, set[str]] = {}
+    for tensor_name, shape in file.shapes.items():
+        name, _, key = tensor_name.partition("/")
+        if name not in parameters:
+            raise file.error(f"optimizer state {tensor_name!r} is for {name!r}, which is not a parameter of the model")
+        if id(parameters[name]) not in index_of:
+            raise file.error(f"optimizer state {tensor_name!r} is for {name!r}, which this optimizer does not train")
+        if shape not in ((), _global_shape(parameters[name])):
+            raise file.error(
+                f"tensor {tensor_name!r} has shape {list(shape)}, expected [] or the parameter's "
+                f"{list(_global_shape(parameters[name]))}"
+            )
+        keys.setdefault(name, set()).add(key)
+    if len({frozenset(found) for found in keys.values()}) > 1:
+        expected = set.union(*keys.values())
+        name, found = next((name, found) for name, found in keys.items() if found != expected)
+        missing = ", ".join(f"{name}/{key}" for key in sorted(expected - found))
+        raise file.error(f"tensor {missing} is missing (the other parameters have {', '.join(sorted(expected))})")
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, state_keys in keys.items():
+        parameter = parameters[name]
+        own = state.setdefault(index_of[id(parameter)], {})
+        for key in sorted(state_keys):
+            tensor = file.get(f"{name}/{key}")
+            # A clone: the shard is a view that would keep the whole global tensor alive.
+            own[key] = _to_local(tensor, parameter, distributed).clone() if tensor.ndim else tensor
+    return state

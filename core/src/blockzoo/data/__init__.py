@@ -1,0 +1,38 @@
+"""Training data: packed-document datasets (kind `dataset`), the tokenizers, and `blockzoo prepare`.
+
+Torch-free to import: the configs live in `blockzoo.data.config`; the datasets (`blockzoo.data.dataset`,
+`memmap`, `embedded`, `synthetic`) import torch and are loaded when built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from blockzoo.data.config import DatasetConfig, EmbeddedDatasetConfig, MemmapDatasetConfig, RandomDatasetConfig
+
+# name -> module that defines it; imported on first access (these need torch, or read files).
+_LAZY = {
+    "IGNORE_INDEX": "blockzoo.layers.base",
+    "Dataset": "blockzoo.data.dataset",
+    "MicroBatch": "blockzoo.data.dataset",
+    "build_dataset": "blockzoo.data.dataset",
+    "Tokenizer": "blockzoo.data.tokenizer",
+    "load_tokenizer": "blockzoo.data.tokenizer",
+}
+
+__all__ = ["DatasetConfig", "EmbeddedDatasetConfig", "MemmapDatasetConfig", "RandomDatasetConfig", "register", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'blockzoo.data' has no attribute {name!r}")
+
+
+def register(register: Callable) -> None:
+    """Register the dataset types; called from the core plugin's `register_components` hook."""
+    register("memmap", MemmapDatasetConfig, "blockzoo.data.memmap:MemmapDataset")
+    register("embedded", EmbeddedDatasetConfig, "blockzoo.data.embedded:EmbeddedDataset")
+    register("random", RandomDatasetConfig, "blockzoo.data.synthetic:RandomDataset")

@@ -1,0 +1,78 @@
+"""Dataset configs (kind `dataset`, the `data:` section of a run). Torch-free.
+
+Every dataset yields micro-batches of `micro_batch_size` sequences of `sequence_length` tokens, each
+sequence a window of a packed stream of documents. Types: `memmap` (files written by `blockzoo prepare`),
+`embedded` (a small built-in English-like corpus, for demos and tests) and `random` (random tokens, for
+benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from blockzoo.config import PolymorphicConfig, at_least, check, configclass, field, greater_than
+
+
+@configclass
+class DatasetConfig(PolymorphicConfig):
+    """Where training and evaluation tokens come from. Kind `dataset`, default type `memmap`."""
+
+    kind: ClassVar[str] = "dataset"
+    default_type: ClassVar[str] = "memmap"
+
+    sequence_length: int = field(
+        2048, doc="Tokens in each sequence (a window of the packed documents).", validator=at_least(1)
+    )
+    micro_batch_size: int = field(
+        1, doc="Sequences in each micro-batch of each data-parallel rank.", validator=at_least(1)
+    )
+    seed: int | None = field(None, doc="Seed of the sampling order. None: the run's seed (distributed.seed).")
+
+
+def _check_fraction(instance: DatasetConfig, attribute, value: float) -> None:
+    check(0 <= value < 1, attribute.name, f"must be in [0, 1), got {value}")
+
+
+@configclass
+class MemmapDatasetConfig(DatasetConfig):
+    """Token files written by `blockzoo prepare`: `PATH.bin` (tokens), `PATH.idx` (document offsets),
+    `PATH.json` (tokenizer, vocabulary size, counts). The last `validation_fraction` of the documents, in
+    file order, form the evaluation split; the rest is training data."""
+
+    path: str | None = field(None, doc="The path prefix given to `blockzoo prepare --output`.")
+    validation_fraction: float = field(
+        0.0, doc="Fraction of the documents (the last ones) held out for evaluation.", validator=_check_fraction
+    )
+
+
+@configclass
+class EmbeddedDatasetConfig(DatasetConfig):
+    """A built-in corpus of short English-like stories generated deterministically (no download), tokenized
+    with the byte tokenizer. A tiny model learns its spelling and sentence patterns in minutes on a CPU."""
+
+    num_documents: int = field(6000, doc="Stories in the corpus (about 500 bytes each).", validator=at_least(2))
+    validation_fraction: float = field(
+        0.05, doc="Fraction of the stories (the last ones) held out for evaluation.", validator=_check_fraction
+    )
+
+
+@configclass
+class RandomDatasetConfig(DatasetConfig):
+    """Uniformly random tokens in documents of random lengths: no files, for benchmarks. The evaluation
+    split is another random stream."""
+
+    vocab_size: int | None = field(
+        None, doc="Token ids are drawn from [0, vocab_size). None: the model's vocabulary size.", validator=at_least(1)
+    )
+    min_document_length: int = field(1, doc="Shortest document, in tokens.", validator=greater_than(0))
+    max_document_length: int | None = field(
+        None, doc="Longest document, in tokens. None: the sequence length.", validator=greater_than(0)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_document_length is not None:
+            check(
+                self.max_document_length >= self.min_document_length,
+                "max_document_length",
+                f"must be >= min_document_length ({self.min_document_length}), got {self.max_document_length}",
+            )

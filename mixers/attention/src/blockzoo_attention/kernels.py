@@ -1,0 +1,204 @@
+"""The attention kernels over packed documents, and the one place that chooses between them.
+
+Every kernel computes, for each query token, softmax(scale · q·k) · v over the keys it may see: keys
+of the same document, at positions ≤ its own (causal), and within `window` positions of it (itself
+included). Queries and keys are packed `[tokens, heads, head_size]`; keys may hold fewer heads (GQA:
+query head h uses key head h // (heads / key_heads)). Queries and keys are described by `Segments`
+that may differ (generation: the keys are the cache's, the queries the new tokens).
+
+- `torch`: SDPA with a dense block-diagonal mask. Runs anywhere; the reference the others are tested against.
+- `varlen`: torch's flash `varlen_attn` (CUDA, bf16/fp16, torch ≥ 2.11 for windows).
+- `flex`: FlexAttention with a document mask (compiled on CUDA; forward only on CPU).
+
+`auto` picks, on CUDA, varlen where it can run, else flex; on the CPU, torch.
+Measure with `benchmarks/attention_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from blockzoo.api import Batch
+
+
+class Segments(NamedTuple):
+    """Where the documents lie along a packed token dim."""
+
+    cu_seqlens: torch.Tensor  # int32, [documents + 1]
+    max_length: int
+    document_index: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens], position of each token in its document
+
+    @classmethod
+    def of(cls, batch: Batch) -> Segments:
+        return cls(batch.cu_seqlens, batch.max_length, batch.document_index, batch.positions)
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor) -> Segments:
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+        document_index = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        positions = torch.arange(int(cu_seqlens[-1]), device=lengths.device) - cu_seqlens[document_index]
+        return cls(cu_seqlens.to(torch.int32), int(lengths.max()), document_index, positions)
+
+
+def allowed(queries: Segments, keys: Segments, causal: bool, window: int | None) -> Callable:
+    """`mask(query_index, key_index)`: may that query see that key? (Indices into the packed token dims.)"""
+
+    def mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        result = queries.document_index[query] == keys.document_index[key]
+        if causal:
+            distance = queries.positions[query] - keys.positions[key]
+            result = result & (distance >= 0)
+            if window is not None:
+                result = result & (distance < window)
+        return result
+
+    return mask
+
+
+class TorchKernel:
+    name = "torch"
+
+    def unavailable(self, query: torch.Tensor) -> str | None:
+        return None
+
+    def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> torch.Tensor:
+        query_index = torch.arange(len(queries.positions), device=queries.positions.device)
+        key_index = torch.arange(len(keys.positions), device=keys.positions.device)
+        return allowed(queries, keys, causal, window)(query_index[:, None], key_index[None, :])
+
+    def attend(self, query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        key, value = (_repeat_heads(tensor, query.shape[1]).transpose(0, 1) for tensor in (key, value))
+        output = F.scaled_dot_product_attention(query.transpose(0, 1), key, value, attn_mask=mask, scale=scale)
+        return output.transpose(0, 1)
+
+
+class VarlenKernel:
+    name = "varlen"
+
+    def unavailable(self, query: torch.Tensor) -> str | None:
+        if _varlen_attn() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        if "window_size" not in _varlen_parameters():
+            return f"torch {torch.__version__}'s varlen_attn takes no window_size (torch >= 2.11 does)"
+        if query.device.type != "cuda":
+            return "it needs CUDA"
+        if query.dtype not in (torch.bfloat16, torch.float16):
+            return f"flash kernels need bf16 or fp16 activations, got {query.dtype}"
+        if query.shape[-1] % 8 or query.shape[-1] > 256:
+            return f"flash kernels need a head_size that is a multiple of 8 up to 256, got {query.shape[-1]}"
+        return None
+
+    def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> dict[str, Any]:
+        # Flash aligns causal masks bottom-right: the last query of a document sees its last key (KV cache).
+        left = -1 if window is None else window - 1
+        return {
+            "cu_seq_q": queries.cu_seqlens,
+            "cu_seq_k": keys.cu_seqlens,
+            "max_q": queries.max_length,
+            "max_k": keys.max_length,
+            "window_size": (left, 0) if causal else (-1, -1),
+        }
+
+    def attend(self, query, key, value, prepared: dict[str, Any], scale: float) -> torch.Tensor:
+        options = dict(prepared)
+        if "enable_gqa" in _varlen_parameters():
+            options["enable_gqa"] = key.shape[1] != query.shape[1]
+        else:
+            key, value = (_repeat_heads(tensor, query.shape[1]) for tensor in (key, value))
+        if "scale" in _varlen_parameters():
+            options["scale"] = scale
+        else:  # The kernel's own scale is head_size**-0.5.
+            query = query * (scale * query.shape[-1] ** 0.5)
+        # Key and value may be strided views of the key‖value projection.
+        query, key, value = (tensor.contiguous() for tensor in (query, key, value))
+        return _varlen_attn()(query, key, value, **options)
+
+
+class FlexKernel:
+    name = "flex"
+
+    def unavailable(self, query: torch.Tensor) -> str | None:
+        return None if _flex_attention() is not None else f"torch {torch.__version__} has no FlexAttention"
+
+    def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mask = allowed(queries, keys, causal, window)
+        return create_block_mask(
+            lambda batch, head, query, key: mask(query, key),
+            None,
+            None,
+            len(queries.positions),
+            len(keys.positions),
+            device=queries.positions.device,
+        )
+
+    def attend(self, query, key, value, block_mask: Any, scale: float) -> torch.Tensor:
+        flex_attention = _flex_attention()
+        if query.is_cuda:
+            flex_attention = _compiled(flex_attention)
+        query, key, value = (tensor.transpose(0, 1)[None] for tensor in (query, key, value))
+        output = flex_attention(
+            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+        )
+        return output[0].transpose(0, 1)
+
+
+KERNELS = {kernel.name: kernel for kernel in (TorchKernel(), VarlenKernel(), FlexKernel())}
+# What `auto` tries, in order, on each device type.
+AUTO_ORDER = {"cuda": ("varlen", "flex", "torch")}
+DEFAULT_ORDER = ("torch",)
+
+
+def select_kernel(implementation: str, query: torch.Tensor) -> TorchKernel | VarlenKernel | FlexKernel:
+    """The kernel for `implementation` (a config value) on `query`'s device and dtype; an error if it cannot run."""
+    if implementation == "auto":
+        for name in AUTO_ORDER.get(query.device.type, DEFAULT_ORDER):
+            if KERNELS[name].unavailable(query) is None:
+                return KERNELS[name]
+        raise RuntimeError("no attention kernel can run here")  # Unreachable: torch runs anywhere.
+    kernel = KERNELS[implementation]
+    if (reason := kernel.unavailable(query)) is not None:
+        raise RuntimeError(f"attention implementation {implementation!r} cannot run here: {reason}")
+    return kernel
+
+
+def _repeat_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[tokens, key_heads, size]` → `[tokens, heads, size]`, each key head serving consecutive query heads."""
+    return tensor if tensor.shape[1] == heads else tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
+
+
+@functools.cache
+def _varlen_attn() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    """The keyword arguments of this torch's varlen_attn (they grew from 2.10 to 2.11)."""
+    return frozenset(inspect.signature(_varlen_attn()).parameters)
+
+
+@functools.cache
+def _flex_attention() -> Callable | None:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+@functools.cache
+def _compiled(function: Callable) -> Callable:
+    return torch.compile(function)

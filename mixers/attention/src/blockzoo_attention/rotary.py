@@ -1,0 +1,86 @@
+"""Rotary position embeddings, rotate-half layout (Llama's): dims i and i + head_size/2 of a head form a pair.
+
+Each rotary type has a frequency function `fn(config, head_size) -> (inverse_frequencies, attention_factor)`
+registered as its implementation: `inverse_frequencies` (float64, head_size/2 values) gives each pair's
+angle per position, `attention_factor` scales the cos/sin tables (YaRN). The tables for a batch are
+computed once per distinct (config, head_size) through `Batch.preprocessed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from blockzoo.api import Batch, get_registry
+from blockzoo_attention.config import DefaultRotaryConfig, Llama3RotaryConfig, RotaryConfig, YarnRotaryConfig
+
+
+def _base_frequencies(theta: float, head_size: int) -> torch.Tensor:
+    return theta ** -(torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+
+
+def default_frequencies(config: DefaultRotaryConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    return _base_frequencies(config.theta, head_size), 1.0
+
+
+def llama3_frequencies(config: Llama3RotaryConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    frequencies = _base_frequencies(config.theta, head_size)
+    wavelengths = 2 * math.pi / frequencies
+    # Wavelengths in units of the original context: long ones are scaled, short ones kept, a linear blend between.
+    blend = (config.original_context_length / wavelengths - config.low_frequency_factor) / (
+        config.high_frequency_factor - config.low_frequency_factor
+    )
+    blend = blend.clamp(0, 1)
+    return (1 - blend) * frequencies / config.scale_factor + blend * frequencies, 1.0
+
+
+def yarn_frequencies(config: YarnRotaryConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    frequencies = _base_frequencies(config.theta, head_size)
+
+    def pair_with_rotations(rotations: float) -> float:
+        # The (fractional) pair index whose angle turns `rotations` times over the original context.
+        return (
+            head_size
+            * math.log(config.original_context_length / (rotations * 2 * math.pi))
+            / (2 * math.log(config.theta))
+        )
+
+    low = max(math.floor(pair_with_rotations(config.beta_fast)), 0)
+    high = min(math.ceil(pair_with_rotations(config.beta_slow)), head_size - 1)
+    if low == high:
+        high += 0.001  # Avoid a division by zero: a step instead of a ramp.
+    # 0 where the pair turns often (kept), 1 where it turns rarely (interpolated by scale_factor).
+    interpolated = ((torch.arange(head_size // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - interpolated) * frequencies + interpolated * frequencies / config.scale_factor
+    return scaled, config.resolved_attention_factor
+
+
+def frequencies(config: RotaryConfig, head_size: int) -> tuple[torch.Tensor, float] | None:
+    """(inverse frequencies, attention factor) of a rotary type; None for a type without embedding (`none`)."""
+    implementation = get_registry().implementation_of(config)
+    return None if implementation is None else implementation(config, head_size)
+
+
+def rotary_tables(config: RotaryConfig, head_size: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin, `[tokens, head_size]` in fp32, at the batch's positions; None without rotary embedding."""
+
+    def compute() -> tuple[torch.Tensor, torch.Tensor] | None:
+        found = frequencies(config, head_size)
+        if found is None:
+            return None
+        inverse_frequencies, attention_factor = found
+        # float64 angles: positions in the hundreds of thousands keep their precision.
+        angles = batch.positions.to(torch.float64)[:, None] * inverse_frequencies.to(batch.device)[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
+
+    return batch.preprocessed(("blockzoo_attention.rotary", config, head_size), compute)
+
+
+def apply_rotary(heads: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate `[tokens, heads, head_size]` by the tables (computed in fp32, returned in the input's dtype)."""
+    cos, sin = (table[:, None, :] for table in tables)
+    first, second = heads.float().chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    return (heads.float() * cos + rotated_half * sin).to(heads.dtype)

@@ -1,0 +1,247 @@
+"""The attention mixer on one process: against a plain per-token loop, packed documents against separate runs,
+KV-cache decoding against the full forward, every config field, FLOPs, kernel choice."""
+
+import warnings
+
+import attrs
+import pytest
+import torch
+from attention_reference import build, inputs, reference_forward, run
+
+from blockzoo.layers.base import Batch
+from blockzoo_attention.attention import Attention
+from blockzoo_attention.config import AttentionConfig
+from blockzoo_attention.kernels import KERNELS, select_kernel
+
+LENGTHS = [5, 1, 7]
+# Biases and norm weights start at zeros and ones by default: give them values so that they matter.
+RANDOM_BIAS = {"bias": {"initialization": {"type": "normal", "std": 0.5}}}
+RANDOM_NORM = {"weight": {"initialization": {"type": "normal", "mean": 1.0, "std": 0.3}}}
+SMALL = {"heads": 4, "head_size": 8}
+CASES = {
+    "mha-default-rotary": {**SMALL},
+    "gqa-window-llama3": {
+        **SMALL,
+        "head_groups": 2,
+        "window_size": 3,
+        "rotary": {"type": "llama3", "theta": 100.0, "original_context_length": 64, "scale_factor": 4.0},
+    },
+    "mqa-yarn-softmax-scale": {
+        **SMALL,
+        "head_groups": 1,
+        "softmax_scale": 0.9,
+        "rotary": {"type": "yarn", "theta": 100.0, "original_context_length": 4, "scale_factor": 4.0},
+    },
+    "qkv-biases-without-dense-bias-norms-nope": {
+        **SMALL,
+        "head_groups": 2,
+        "add_linear_biases": True,
+        "query": RANDOM_BIAS,
+        "key": RANDOM_BIAS,
+        "value": RANDOM_BIAS,
+        "dense": {"bias": {"enabled": False}},
+        "query_norm": {"type": "rms_norm", **RANDOM_NORM},
+        "key_norm": {"type": "layer_norm", **RANDOM_NORM, "bias": {"initialization": {"type": "normal"}}},
+        "rotary": {"type": "none"},
+    },
+    "non-causal-gqa": {**SMALL, "head_groups": 2, "causal": False, "rotary": {"theta": 50.0}},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_a_per_token_loop(case):
+    layer = build(CASES[case])
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        output = layer(hidden, Batch(LENGTHS))
+    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
+
+
+def test_qkv_biases_without_dense_bias():
+    layer = build(CASES["qkv-biases-without-dense-bias-norms-nope"])
+    assert layer.query.bias is not None and layer.key_value.bias is not None and layer.dense.bias is None
+    assert layer.key_value.bias.shape == (2 * 2 * 8,)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_documents_equal_separate_runs(case):
+    layer = build(CASES[case])
+    hidden, loss_weights = inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    outputs, input_grads, grads = [], [], []
+    for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
+        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        outputs.append(output)
+        input_grads.append(input_grad)
+        grads.append(document_grads)
+    torch.testing.assert_close(packed, torch.cat(outputs), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(packed_input_grad, torch.cat(input_grads), atol=1e-6, rtol=1e-5)
+    for name, gradient in packed_grads.items():
+        torch.testing.assert_close(gradient, sum(g[name] for g in grads), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("case", ["gqa-window-llama3", "qkv-biases-without-dense-bias-norms-nope"])
+def test_kv_cache_decoding_equals_the_full_forward(case):
+    layer = build(CASES[case])
+    full_lengths = [8, 6]
+    hidden, _ = inputs(sum(full_lengths))
+    with torch.no_grad():
+        expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
+    sequences = hidden.split(full_lengths)
+    # Prefill prompts of different lengths, a chunk of several tokens, then one token at a time.
+    steps = [[3, 2], [2, 1], [1, 1], [1, 1], [1, 1]]
+    assert [sum(step) for step in zip(*steps)] == full_lengths
+    state = layer.new_state(2, 10, torch.device("cpu"), torch.float32)
+    past = [0, 0]
+    outputs = [[], []]
+    with torch.no_grad():
+        for lengths in steps:
+            chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
+            output = layer(chunk, Batch(lengths, past_lengths=past), state)
+            for index, part in enumerate(output.split(lengths)):
+                outputs[index].append(part)
+            past = [p + n for p, n in zip(past, lengths)]
+    for index in range(2):
+        torch.testing.assert_close(torch.cat(outputs[index]), expected[index], atol=1e-6, rtol=1e-5)
+
+
+def test_kv_cache_errors():
+    layer = build(SMALL)
+    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
+    hidden, _ = inputs(3)
+    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
+        layer(hidden, Batch([2, 1]), state)
+    with pytest.raises(ValueError, match="the batch has 1 sequences but the cache holds 2"):
+        layer(hidden, Batch([3], past_lengths=[0]), state)
+    with pytest.raises(ValueError, match="sequences of up to 5 tokens exceed the cache's 4"):
+        layer(hidden, Batch([2, 1], past_lengths=[3, 0]), state)
+    with pytest.raises(ValueError, match="generation needs causal attention"):
+        build({**SMALL, "causal": False}).new_state(1, 4, torch.device("cpu"), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every field of the config changes the parameters or the forward pass
+
+FIELD_CHANGES = {
+    "heads": {"heads": 8},
+    "head_groups": {"head_groups": 2},
+    "head_size": {"head_size": 4},
+    "query": {"query": {"weight": {"initialization": {"type": "uniform"}}}},
+    "key": {"key": {"weight": {"initialization": {"type": "uniform"}}}},
+    "value": {"value": {"lr_scale": 0.5}},
+    "dense": {"dense": {"bias": {"enabled": True}}},
+    "add_linear_biases": {"add_linear_biases": True},
+    "rotary": {"rotary": {"type": "none"}},
+    "causal": {"causal": False},
+    "window_size": {"window_size": 2},
+    "softmax_scale": {"softmax_scale": 0.5},
+    "query_norm": {"query_norm": {"type": "rms_norm"}},
+    "key_norm": {"key_norm": {"type": "rms_norm"}},
+    "lr_scale": {"lr_scale": 0.0},
+}
+
+
+def _parameters(layer: Attention) -> dict:
+    return {name: (p.detach(), p.meta.settings, p.requires_grad) for name, p in layer.named_parameters()}
+
+
+def _differ(first: dict, second: dict) -> bool:
+    if first.keys() != second.keys():
+        return True
+    for (value, settings, grad), (other, other_settings, other_grad) in zip(first.values(), second.values()):
+        if value.shape != other.shape or not torch.equal(value, other):
+            return True
+        if settings != other_settings or grad != other_grad:
+            return True
+    return False
+
+
+def test_every_field_changes_parameters_or_outputs():
+    declared = {field.name for field in attrs.fields(AttentionConfig)}
+    assert declared == {*FIELD_CHANGES, "implementation"}, "a field without a test case"
+    base_config = {**SMALL, "head_groups": 4}
+    base = build(base_config)
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        base_output = base(hidden, Batch(LENGTHS))
+    for name, change in FIELD_CHANGES.items():
+        layer = build({**base_config, **change})
+        assert layer.config.explicit_fields() >= set(change)
+        if _differ(_parameters(base), _parameters(layer)):
+            continue
+        with torch.no_grad():
+            output = layer(hidden, Batch(LENGTHS))
+        assert not torch.allclose(output, base_output), f"changing {name} changed nothing"
+    # `implementation` picks the kernel: on a CPU, varlen is refused and flex runs (forward only).
+    with pytest.raises(RuntimeError, match="implementation 'varlen' cannot run here: it needs CUDA"):
+        build({**base_config, "implementation": "varlen"})(hidden, Batch(LENGTHS))
+
+
+def test_value_config_is_honoured_for_its_rows():
+    layer = build({**SMALL, "value": {"lr_scale": 0.5, "weight": {"initialization": {"type": "fill", "value": 0.25}}}})
+    rows = layer.key_value.weight.meta.lr_scale_rows().flatten()
+    assert rows[:32].eq(1.0).all() and rows[32:].eq(0.5).all()
+    weight = layer.key_value.weight.detach()
+    assert weight[32:].eq(0.25).all() and not weight[:32].eq(0.25).any()
+
+
+@pytest.mark.parametrize("case", ["gqa-window-llama3", "non-causal-gqa"])
+def test_flex_kernel_matches_the_torch_kernel_on_cpu(case):
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FlexAttention warns that it runs uncompiled.
+        flex = build({**CASES[case], "implementation": "flex"})(hidden, Batch(LENGTHS))
+    with torch.no_grad():
+        reference = build({**CASES[case], "implementation": "torch"})(hidden, Batch(LENGTHS))
+    torch.testing.assert_close(flex, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_auto_picks_the_torch_kernel_on_cpu():
+    query = torch.zeros(3, 2, 8)
+    assert select_kernel("auto", query) is KERNELS["torch"]
+    assert KERNELS["varlen"].unavailable(query) == "it needs CUDA"
+    with pytest.raises(RuntimeError, match="implementation 'varlen' cannot run here: it needs CUDA"):
+        select_kernel("varlen", query)
+
+
+def test_rotary_tables_are_shared_only_by_equal_settings():
+    batch = Batch(LENGTHS)
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        build({**SMALL, "rotary": {"theta": 100.0}})(hidden, batch)
+        build({**SMALL, "rotary": {"theta": 100.0}})(hidden, batch)
+        build({**SMALL, "rotary": {"theta": 200.0}})(hidden, batch)
+        build({**SMALL, "head_size": 4, "rotary": {"theta": 100.0}})(hidden, batch)
+    rotary_keys = [key for key in batch._preprocessed if key[0] == "blockzoo_attention.rotary"]
+    assert len(rotary_keys) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def test_flops_against_a_hand_count():
+    # hidden 16; query 16→32, key‖value 16→(2 groups·8)·2 = 32, dense 32→16: 1536 multiply-adds per token.
+    tokens = 7
+    linear_forward = 2 * tokens * (16 * 32 + 16 * 32 + 32 * 16)
+    window = build({**SMALL, "head_groups": 2, "window_size": 3})
+    # Causal, window 3: a document of 5 sees 1+2+3+3+3 keys, one of 2 sees 1+2: 15 pairs; 4·heads·head_size each.
+    pairs_flops = 4 * 4 * 8 * 15
+    assert window.flops(Batch([5, 2])) == (linear_forward + pairs_flops, 2 * linear_forward + 2 * pairs_flops)
+    full = build({**SMALL, "head_groups": 2, "causal": False})
+    assert full.flops(Batch([5, 2])) == (linear_forward + 4 * 4 * 8 * 29, 2 * (linear_forward + 4 * 4 * 8 * 29))
+    # Generating 2 tokens after 4 cached ones: positions 4 and 5 see 5 and 6 keys.
+    decode = build({**SMALL, "head_groups": 2}).flops(Batch([2], past_lengths=[4]))
+    assert decode[0] == 2 * 2 * 1536 + 4 * 4 * 8 * 11
+    # A frozen projection needs no weight gradient: its backward costs one forward.
+    frozen = build({**SMALL, "head_groups": 2, "window_size": 3, "query": {"lr_scale": 0.0}})
+    assert frozen.flops(Batch([5, 2]))[1] == 2 * linear_forward - 2 * tokens * 16 * 32 + 2 * pairs_flops
+
+
+def test_hidden_size_differs_from_heads_times_head_size():
+    layer = build({"heads": 3, "head_groups": 1, "head_size": 6}, hidden=10)
+    hidden, _ = inputs(6, hidden=10)
+    with torch.no_grad():
+        output = layer(hidden, Batch([4, 2]))
+    assert output.shape == (6, 10) and layer.query.weight.shape == (18, 10) and layer.dense.weight.shape == (10, 18)
+    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-6, rtol=1e-5)

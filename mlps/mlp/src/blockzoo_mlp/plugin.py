@@ -1,0 +1,17 @@
+"""The plugin's hooks: registers the dense MLP as MLP type `mlp`."""
+
+from blockzoo.api import PluginInfo, hookimpl
+from blockzoo_mlp.config import DenseMLPConfig
+
+
+@hookimpl
+def plugin_info() -> PluginInfo:
+    return PluginInfo(
+        capabilities=tuple(sorted(DenseMLPConfig.capabilities)),
+        description="the dense MLP (gated or not, fused gate‖up, tensor-parallel)",
+    )
+
+
+@hookimpl
+def register_mlps(register) -> None:
+    register("mlp", DenseMLPConfig, "blockzoo_mlp.mlp:DenseMLP")
