@@ -11,7 +11,7 @@ from attention_reference import build, inputs, reference_forward, run
 from blockzoo.layers.base import Batch
 from blockzoo_attention.attention import Attention
 from blockzoo_attention.config import AttentionConfig
-from blockzoo_attention.kernels import KERNELS, select_kernel
+from blockzoo_attention.kernels import KERNELS, TorchKernel, select_kernel
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.
@@ -63,8 +63,11 @@ def test_qkv_biases_without_dense_bias():
     assert layer.key_value.bias.shape == (2 * 2 * 8,)
 
 
+@pytest.mark.parametrize("chunk_tokens", [512, 4], ids=["one-chunk", "chunked"])
 @pytest.mark.parametrize("case", CASES)
-def test_packed_documents_equal_separate_runs(case):
+def test_packed_documents_equal_separate_runs(case, chunk_tokens, monkeypatch):
+    # The CPU kernel attends over chunks of whole documents; small chunks split this batch into several.
+    monkeypatch.setattr(TorchKernel, "chunk_tokens", chunk_tokens)
     layer = build(CASES[case])
     hidden, loss_weights = inputs(sum(LENGTHS))
     packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)

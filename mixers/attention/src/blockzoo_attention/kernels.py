@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -63,20 +64,58 @@ def allowed(queries: Segments, keys: Segments, causal: bool, window: int | None)
 
 
 class TorchKernel:
+    """SDPA with a dense mask, over chunks of whole documents when queries and keys are the same tokens
+    (training), so a micro-batch of many sequences costs about one mask per sequence, not one for all."""
+
     name = "torch"
+    chunk_tokens = 512  # Documents are grouped into chunks of about this many tokens (more for a longer one).
 
     def unavailable(self, query: torch.Tensor) -> str | None:
         return None
 
-    def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> torch.Tensor:
-        query_index = torch.arange(len(queries.positions), device=queries.positions.device)
-        key_index = torch.arange(len(keys.positions), device=keys.positions.device)
-        return allowed(queries, keys, causal, window)(query_index[:, None], key_index[None, :])
+    def prepare(
+        self, queries: Segments, keys: Segments, causal: bool, window: int | None
+    ) -> list[tuple[slice, slice, torch.Tensor]]:
+        """(query slice, key slice, mask) of each chunk."""
+        mask = allowed(queries, keys, causal, window)
+        if queries is keys:
+            bounds = _chunk_bounds(queries.cu_seqlens.tolist(), max(self.chunk_tokens, queries.max_length))
+            chunks = [(slice(start, end), slice(start, end)) for start, end in bounds]
+        else:
+            chunks = [(slice(0, len(queries.positions)), slice(0, len(keys.positions)))]
+        device = queries.positions.device
+        return [
+            (
+                rows,
+                columns,
+                mask(
+                    torch.arange(rows.start, rows.stop, device=device)[:, None],
+                    torch.arange(columns.start, columns.stop, device=device)[None, :],
+                ),
+            )
+            for rows, columns in chunks
+        ]
 
-    def attend(self, query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query, key, value, chunks: list[tuple[slice, slice, torch.Tensor]], scale: float) -> torch.Tensor:
         key, value = (_repeat_heads(tensor, query.shape[1]).transpose(0, 1) for tensor in (key, value))
-        output = F.scaled_dot_product_attention(query.transpose(0, 1), key, value, attn_mask=mask, scale=scale)
-        return output.transpose(0, 1)
+        query = query.transpose(0, 1)
+        outputs = [
+            F.scaled_dot_product_attention(
+                query[:, rows], key[:, columns], value[:, columns], attn_mask=mask, scale=scale
+            )
+            for rows, columns, mask in chunks
+        ]
+        return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
+def _chunk_bounds(cu_seqlens: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive runs of whole documents of at most `limit` tokens (a longer document is a run of its own)."""
+    bounds, start = [], 0
+    for previous, end in itertools.pairwise(cu_seqlens[1:]):
+        if end - start > limit:
+            bounds.append((start, previous))
+            start = previous
+    return [*bounds, (start, cu_seqlens[-1])]
 
 
 class VarlenKernel:
