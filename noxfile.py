@@ -13,6 +13,8 @@ TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
 DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/examples/*"]
 
 nox.options.sessions = ["lint", "tests"]
+# The distributions of the demo, installed together.
+DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mlps/mlp")]
 nox.options.reuse_venv = "yes"
 
 
@@ -25,10 +27,15 @@ def distributions() -> dict[str, Path]:
     return found
 
 
-def install(session: nox.Session, *folders: Path) -> None:
+def install(session: nox.Session, *folders: Path, extra: str | None = "test") -> None:
+    """torch first, then each folder editable, with its `extra` where its pyproject.toml declares one."""
     session.install(TORCH)
     session.install(*TEST_REQUIREMENTS)
-    session.install(*(argument for folder in folders for argument in ("-e", str(folder))))
+    arguments = []
+    for folder in folders:
+        extras = nox.project.load_toml(folder / "pyproject.toml")["project"].get("optional-dependencies", {})
+        arguments += ["-e", f"{folder}[{extra}]" if extra in extras else str(folder)]
+    session.install(*arguments)
 
 
 @nox.session
@@ -45,6 +52,17 @@ def tests(session: nox.Session, distribution: str) -> None:
         paths = [str(distributions()[distribution] / "tests")]
     install(session, *folders)
     session.run("pytest", "-n", "auto", *paths, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
+    reload its checkpoint and continue a prompt."""
+    install(session, *DEMO_FOLDERS, extra=None)
+    output = Path(session.create_tmp()) / "demo"
+    session.run("rm", "-rf", str(output), external=True)
+    session.run("blockzoo", "train", "examples/demo.yaml", f"training.output_dir={output}")
+    session.run("blockzoo", "generate", str(output), "--prompt", "Once upon a time", "--max-new-tokens", "300")
 
 
 @nox.session

@@ -39,6 +39,7 @@ from torch import nn
 from blockzoo import __version__
 from blockzoo.config import Config, PolymorphicConfig, to_yaml
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.errors import UsageError
 from blockzoo.plugins import get_registry
 
 FORMAT_VERSION = 1
@@ -49,7 +50,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 _STEP_DIRECTORY = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UsageError):
     """A checkpoint cannot be written or read as asked; names the file and what is wrong."""
 
     def __init__(self, path: str | Path, problem: str):

@@ -10,13 +10,10 @@ import traceback
 from collections.abc import Sequence
 
 from blockzoo.config import ConfigError, structure
+from blockzoo.errors import UsageError
 from blockzoo.plugins import PLUGIN_API, PluginError, PluginRecord, Registry, get_registry, strict_mode
 
 USAGE_ERROR = 2
-
-
-class UsageError(Exception):
-    """A bad command line or input file: reported without a traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

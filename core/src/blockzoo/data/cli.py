@@ -37,8 +37,8 @@ def register_data_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _prepare(arguments: argparse.Namespace) -> int:
-    from blockzoo.cli import UsageError
     from blockzoo.data.prepare import prepare
+    from blockzoo.errors import UsageError
 
     if arguments.field is not None and arguments.format != "jsonl":
         raise UsageError("--field applies to --format jsonl only")

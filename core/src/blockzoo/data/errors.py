@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockzoo.cli import UsageError
+from blockzoo.errors import UsageError
 
 
 class DatasetError(UsageError):

@@ -72,5 +72,5 @@ def _checkpoint_directory(path: Path) -> Path:
         )
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
-        raise CheckpointError(f"{path} is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")
+        raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")
     return latest
