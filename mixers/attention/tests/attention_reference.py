@@ -32,6 +32,8 @@ def attention_config(data: dict) -> AttentionConfig:
 
 
 def single_process(**options) -> Distributed:
+    """One CPU process (gloo: on a CUDA machine `auto` would choose the GPU), the reference the others match."""
+    options = {"backend": "gloo", **options}
     return Distributed(DistributedConfig(seed=SEED, **options), world_size=1, rank=0, local_rank=0)
 
 

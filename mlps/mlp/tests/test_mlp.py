@@ -38,7 +38,8 @@ def make_config(**data) -> DenseMLPConfig:
 
 
 def build(config: DenseMLPConfig, seed: int = 1) -> DenseMLP:
-    distributed = Distributed(DistributedConfig(seed=seed), world_size=1, rank=0, local_rank=0)
+    # gloo: one CPU process (on a CUDA machine `auto` would choose the GPU).
+    distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
     return DenseMLP(
         config, name="block.mlp", hidden_dim=TensorDim("hidden", HIDDEN), distributed=distributed, lr_scale=1.0
     )

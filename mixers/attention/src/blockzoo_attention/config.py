@@ -149,7 +149,7 @@ class AttentionConfig(MixerConfig):
         "auto",
         doc="Attention kernel. torch: SDPA with a block-diagonal mask (the CPU reference); varlen: torch's "
         "flash varlen_attn (CUDA, bf16/fp16); flex: FlexAttention with a document mask (compiled on CUDA). "
-        "auto: on CUDA varlen where it can run, else flex; torch on the CPU.",
+        "auto: on CUDA varlen where it can run (bf16/fp16), else torch; torch on the CPU.",
     )
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
