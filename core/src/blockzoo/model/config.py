@@ -121,3 +121,11 @@ class ModelConfig(Config):
     lr_scale: float | None = field(
         None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0)
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.tied_embedding_weight and self.head.output_weight != ParameterConfig():
+            raise ConfigFieldError(
+                "head.output_weight",
+                "has no effect with tied_embedding_weight: true (the output reuses embeddings.word_embeddings); "
+                "remove it or untie the weights",
+            )

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from blockzoo.errors import UsageError
 from blockzoo.training.config import AdamWConfig, ScheduleConfig
 
 
@@ -30,8 +31,15 @@ class AdamW(torch.optim.AdamW):
                 key = (1.0, True)
                 self.per_row.append(parameter)
             groups.setdefault(key, []).append(parameter)
+        if not groups:
+            raise UsageError("no parameter is trainable: every effective lr_scale is 0 (model.lr_scale, ...)")
         param_groups = [
-            {"params": params, "lr_scale": lr_scale, "weight_decay": config.weight_decay if decay else 0.0}
+            {
+                "params": params,
+                "lr": config.learning_rate * lr_scale,
+                "lr_scale": lr_scale,
+                "weight_decay": config.weight_decay if decay else 0.0,
+            }
             for (lr_scale, decay), params in groups.items()
         ]
         super().__init__(
@@ -78,7 +86,8 @@ def learning_rate(step: int, *, peak: float, train_iters: int, schedule: Schedul
     minimum = peak * schedule.minimum_learning_rate_ratio
     if schedule.decay == "constant":
         return peak
-    decay_steps = max(train_iters - schedule.warmup_iters, 1)
+    # Progress runs from 0 at the first step after the warmup to 1 at the last step.
+    decay_steps = max(train_iters - schedule.warmup_iters - 1, 1)
     progress = min((step - schedule.warmup_iters) / decay_steps, 1.0)
     if schedule.decay == "linear":
         return peak - (peak - minimum) * progress

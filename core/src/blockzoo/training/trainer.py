@@ -2,9 +2,10 @@
 
 One optimizer step takes `gradient_accumulation` micro-batches on each data-parallel rank. The loss
 is the cross-entropy summed over every labelled token of the step (all micro-batches, all ranks)
-divided by their count, plus the layers' named losses, so the gradients do not depend on how the
-step is split. Gradients of replicated parameters that saw token shards (sequence-tensor-parallel)
-are summed over the tensor group, then all gradients are averaged over the data-parallel ranks.
+divided by their count, plus the layers' named losses averaged over the micro-batches of all ranks,
+so the gradients do not depend on how the step is split. Each rank's backward pass covers its share
+of that sum: gradients of replicated parameters that saw token shards (sequence-tensor-parallel) are
+summed over the tensor group, then all gradients are summed over the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -113,29 +114,34 @@ class Trainer:
         )
         self.optimizer.set_learning_rate(rate)
         self.optimizer.zero_grad(set_to_none=True)
-        labelled = self._all_reduce_data(
-            torch.tensor(float(sum(int((micro.labels != IGNORE_INDEX).sum()) for micro in micro_batches)))
-        )
-        total_cross_entropy = torch.zeros(())
+        device = self.distributed.device
+        labelled = sum(int((micro.labels != IGNORE_INDEX).sum()) for micro in micro_batches)
+        labelled = self._all_reduce_data(torch.tensor(float(labelled), device=device)).clamp(min=1)
+        # The gradients are summed over the data-parallel ranks: each rank's named losses weigh 1 / all micro-batches.
+        micro_batches_of_all_ranks = len(micro_batches) * self.distributed.data_size
+        total_cross_entropy = torch.zeros((), device=device)
         named: dict[str, float] = {}
         for micro in micro_batches:
-            tokens, labels = micro.tokens.to(self.distributed.device), micro.labels.to(self.distributed.device)
-            batch = Batch(micro.lengths, device=self.distributed.device)
-            cross_entropy, losses = self.model.loss(tokens, labels, batch)
-            extra = sum(losses.values(), torch.zeros((), device=tokens.device)) / len(micro_batches)
-            (cross_entropy / labelled.clamp(min=1).to(tokens.device) + extra).backward()
-            total_cross_entropy += cross_entropy.detach().float().cpu()
+            tokens, labels = micro.tokens.to(device), micro.labels.to(device)
+            cross_entropy, losses = self.model.loss(tokens, labels, Batch(micro.lengths, device=device))
+            extra = sum(losses.values(), torch.zeros((), device=device)) / micro_batches_of_all_ranks
+            (cross_entropy / labelled + extra).backward()
+            total_cross_entropy += cross_entropy.detach().float()
             for name, value in losses.items():
                 named[name] = named.get(name, 0.0) + float(value) / len(micro_batches)
-        loss = self._reduce_loss(total_cross_entropy) / float(labelled.clamp(min=1))
-        if not math.isfinite(loss):
-            last = latest_checkpoint(self.output_dir)
-            kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
-            raise TrainingError(f"the loss is {loss} at step {self.step + 1}; stopping, {kept}")
+        loss = self._reduce_loss(total_cross_entropy) / float(labelled)
+        self._check_finite("loss", loss)
         self._reduce_gradients()
         norm = self._clip_gradients()
+        self._check_finite("gradient norm", norm)  # before the update, so the weights stay finite
         self.optimizer.step()
         return StepRecord(step=self.step + 1, loss=loss, learning_rate=rate, gradient_norm=norm, losses=named)
+
+    def _check_finite(self, what: str, value: float) -> None:
+        if not math.isfinite(value):
+            last = latest_checkpoint(self.output_dir)
+            kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
+            raise TrainingError(f"the {what} is {value} at step {self.step + 1}; stopping, {kept}")
 
     # -- parallel reductions -------------------------------------------------------------------------------------------
 
@@ -159,7 +165,6 @@ class Trainer:
             for parameter in parameters:
                 if parameter.grad is not None:
                     dist.all_reduce(parameter.grad, group=group)
-                    parameter.grad /= self.distributed.data_size
 
     def _clip_gradients(self) -> float:
         """The global gradient norm (split parameters summed over the tensor group); clipped to the config's limit."""
@@ -188,12 +193,13 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> float:
         self.model.eval()
-        total, count = torch.zeros(()), torch.zeros(())
+        device = self.distributed.device
+        total, count = torch.zeros((), device=device), torch.zeros((), device=device)
         batches = self.data.evaluation_batches(**self._data_rank())
         for micro in itertools.islice(batches, self.config.evaluation.iters):
-            tokens, labels = micro.tokens.to(self.distributed.device), micro.labels.to(self.distributed.device)
-            cross_entropy, _ = self.model.loss(tokens, labels, Batch(micro.lengths, device=self.distributed.device))
-            total += cross_entropy.float().cpu()
+            tokens, labels = micro.tokens.to(device), micro.labels.to(device)
+            cross_entropy, _ = self.model.loss(tokens, labels, Batch(micro.lengths, device=device))
+            total += cross_entropy.float()
             count += float((micro.labels != IGNORE_INDEX).sum())
         loss = self._reduce_loss(total) / float(self._all_reduce_data(count).clamp(min=1))
         self.evaluations.append((self.step, loss))
