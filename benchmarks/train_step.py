@@ -101,8 +101,18 @@ def transformers_llama(arguments: argparse.Namespace, tokens: torch.Tensor) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    for name, default in [("hidden", 768), ("layers", 12), ("heads", 12), ("groups", 4), ("ffn", 2048),
-                          ("vocab", 32000), ("rows", 8), ("length", 2048), ("steps", 20), ("warmup", 5)]:
+    for name, default in [
+        ("hidden", 768),
+        ("layers", 12),
+        ("heads", 12),
+        ("groups", 4),
+        ("ffn", 2048),
+        ("vocab", 32000),
+        ("rows", 8),
+        ("length", 2048),
+        ("steps", 20),
+        ("warmup", 5),
+    ]:
         parser.add_argument(f"--{name}", type=int, default=default)
     arguments = parser.parse_args()
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ precomputed tables must not collide."""
 
 import pytest
 import torch
-from transformer_reference import MODELS, VOCAB, build, reference_logits
+from transformer_reference import MODELS, VOCAB, build, greedy_by_full_forward, reference_logits
 
 from blockzoo.layers.base import Batch
 
@@ -29,9 +29,9 @@ def test_matches_a_float64_reference(case):
 
 
 def test_two_attention_blocks_keep_their_own_tables():
-    """A pattern [local (theta 50, window 3), global (theta 10000)]: each block must use its own rotary tables and
-    mask, although both are computed through one Batch. The reference with the thetas swapped differs, so a model
-    whose blocks shared one table could not pass."""
+    """A pattern [local (theta 50, window 3), global (theta 10000, no window)] over 3 layers: each block must use its
+    own rotary tables and mask, although both are computed once per Batch. The output equals the blocks run one by
+    one with fresh Batches, and the float64 reference, from which sharing either tables or mask would be far."""
     model = build(MODELS["pattern-two-attentions"])
     tokens, documents = _documents()
     batch = Batch(LENGTHS)
@@ -45,9 +45,11 @@ def test_two_attention_blocks_keep_their_own_tables():
     torch.testing.assert_close(shared_batch, per_block, atol=0, rtol=0)
 
     document = documents[2]  # 7 tokens: longer than the window
-    swapped = reference_logits(model, document, thetas=[10000.0, 50.0, 10000.0])
-    assert not torch.allclose(swapped, reference_logits(model, document), atol=1e-3)
-    torch.testing.assert_close(shared_batch.split(LENGTHS)[2].double(), reference_logits(model, document), atol=1e-5, rtol=1e-5)
+    expected = reference_logits(model, document)
+    torch.testing.assert_close(shared_batch.split(LENGTHS)[2].double(), expected, atol=1e-5, rtol=1e-5)
+    # Had the blocks shared their rotary tables or their masks, the logits would be far from these.
+    for shared in [{"thetas": [50.0] * 3}, {"thetas": [10000.0] * 3}, {"windows": [3] * 3}, {"windows": [None] * 3}]:
+        assert not torch.allclose(reference_logits(model, document, **shared), expected, atol=1e-3), shared
 
 
 @pytest.mark.parametrize("case", MODELS)
@@ -75,29 +77,19 @@ def test_packed_documents_equal_separate_runs(case):
         torch.testing.assert_close(packed_gradients[name], parameter.grad, atol=1e-6 * scale, rtol=1e-4, msg=name)
 
 
-def _greedy_by_full_forward(model, prompt: list[int], steps: int, stop_token: int | None = None) -> list[int]:
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
-            if sequence[-1] == stop_token:
-                break
-    return sequence[len(prompt) :]
-
-
 @pytest.mark.parametrize("case", MODELS)
 def test_greedy_generation_equals_argmax_of_the_full_forward(case):
     """Prompts of different lengths in one batch; the window of the pattern model (3) is shorter than them."""
     model = build(MODELS[case])
-    expected = [_greedy_by_full_forward(model, prompt, 7) for prompt in PROMPTS]
+    expected = [greedy_by_full_forward(model, prompt, 7) for prompt in PROMPTS]
     assert model.generate(PROMPTS, 7) == expected
 
 
 def test_generation_stops_each_sequence_at_the_stop_token():
     model = build(MODELS["gqa-untied"])
-    free = [_greedy_by_full_forward(model, prompt, 6) for prompt in PROMPTS]
+    free = [greedy_by_full_forward(model, prompt, 6) for prompt in PROMPTS]
     stop = free[0][2]
-    expected = [_greedy_by_full_forward(model, prompt, 6, stop_token=stop) for prompt in PROMPTS]
+    expected = [greedy_by_full_forward(model, prompt, 6, stop_token=stop) for prompt in PROMPTS]
     assert expected[0] == free[0][:3]
     assert model.generate(PROMPTS, 6, stop_token=stop) == expected
 

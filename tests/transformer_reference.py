@@ -1,6 +1,7 @@
 """Tiny transformer run configs shared by the cross-distribution tests, and an independent float64 reference of
 the whole language model written from the definitions (embeddings, RMS norm, GQA attention with rotate-half
-rotary embeddings and a sliding window, gated SiLU MLP, tied or untied head), reading only the model's weights.
+rotary embeddings and a sliding window, gated SiLU MLP, tied or untied head), reading only the model's weights;
+greedy decoding without a cache.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def attention(theta: float = 10000.0, window: int | None = None, heads: int = 4,
 
 
 def block(mixer: dict) -> dict:
-    return {"mixer": mixer, "mlp": {"type": "mlp", "intermediate_size": 48, "gated": True}, "normalization": RANDOM_NORM}
+    return {
+        "mixer": mixer,
+        "mlp": {"type": "mlp", "intermediate_size": 48, "gated": True},
+        "normalization": RANDOM_NORM,
+    }
 
 
 def model_data(*, tied: bool = True, decoder: dict | None = None) -> dict:
@@ -67,7 +72,8 @@ def run_data(model: dict, **sections: dict) -> dict:
 
 
 def single_process(config: DistributedConfig | None = None) -> Distributed:
-    return Distributed(config or DistributedConfig(seed=SEED), world_size=1, rank=0, local_rank=0)
+    """This process alone, on the CPU (gloo) even where CUDA is present: the references are CPU computations."""
+    return Distributed(config or DistributedConfig(seed=SEED, backend="gloo"), world_size=1, rank=0, local_rank=0)
 
 
 def build(model: dict) -> LanguageModel:
@@ -92,8 +98,8 @@ def _rotate(heads: torch.Tensor, positions: torch.Tensor, theta: float) -> torch
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def _attention(mixer, config, hidden: torch.Tensor, theta: float) -> torch.Tensor:
-    """Causal attention of one document `[tokens, hidden]`, one query at a time."""
+def _attention(mixer, config, hidden: torch.Tensor, theta: float, window: int | None) -> torch.Tensor:
+    """Causal attention of one document `[tokens, hidden]`, one query at a time (no biases, no per-head norms)."""
     heads, groups, head_size = config.heads, config.resolved_head_groups, config.head_size
     tokens = len(hidden)
     positions = torch.arange(tokens)
@@ -101,7 +107,7 @@ def _attention(mixer, config, hidden: torch.Tensor, theta: float) -> torch.Tenso
     key, value = (hidden @ mixer.key_value.weight.double().T).view(tokens, 2, groups, head_size).unbind(1)
     query, key = _rotate(query, positions, theta), _rotate(key, positions, theta)
     output = torch.zeros(tokens, heads, head_size, dtype=torch.float64)
-    window = config.window_size or tokens
+    window = window or tokens
     for token in range(tokens):
         first = max(0, token - window + 1)
         for head in range(heads):
@@ -111,18 +117,36 @@ def _attention(mixer, config, hidden: torch.Tensor, theta: float) -> torch.Tenso
     return output.flatten(1) @ mixer.dense.weight.double().T
 
 
-def reference_logits(model: LanguageModel, document: torch.Tensor, thetas: list[float] | None = None) -> torch.Tensor:
-    """float64 logits `[tokens, vocab]` of one document. `thetas` replaces each block's rotary theta (to show that
-    using another block's tables would change the result)."""
+def reference_logits(
+    model: LanguageModel,
+    document: torch.Tensor,
+    thetas: list[float] | None = None,
+    windows: list[int | None] | None = None,
+) -> torch.Tensor:
+    """float64 logits `[tokens, vocab]` of one document. `thetas` and `windows` replace each block's rotary theta and
+    window (to show that another block's tables or mask would change the result)."""
     blocks = [config for _, config in model.config.decoder.expanded_blocks()]
     hidden = model.embeddings.word_embeddings.double()[document]
     for index, (layer, config) in enumerate(zip(model.decoder, blocks, strict=True)):
         epsilon = config.normalization.epsilon
         theta = config.mixer.rotary.theta if thetas is None else thetas[index]
-        hidden = hidden + _attention(
-            layer.mixer, config.mixer, _rms_norm(hidden, layer.norm_1.weight, epsilon), theta
-        )
+        window = config.mixer.window_size if windows is None else windows[index]
+        normalized = _rms_norm(hidden, layer.norm_1.weight, epsilon)
+        hidden = hidden + _attention(layer.mixer, config.mixer, normalized, theta, window)
         gate, up = (_rms_norm(hidden, layer.norm_2.weight, epsilon) @ layer.mlp.gate_up.weight.double().T).chunk(2, -1)
         hidden = hidden + (F.silu(gate) * up) @ layer.mlp.down.weight.double().T
     hidden = _rms_norm(hidden, model.head.normalization.weight, model.config.head.normalization.epsilon)
     return hidden @ model.head.output_weight.double().T
+
+
+def greedy_by_full_forward(
+    model: LanguageModel, prompt: list[int], steps: int, stop_token: int | None = None
+) -> list[int]:
+    """Greedy continuation without any cache: argmax of the full forward over the growing sequence."""
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
+            if sequence[-1] == stop_token:
+                break
+    return sequence[len(prompt) :]

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from blockzoo.distributed.check import ParallelMismatchError, check_parallel_match
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.errors import UsageError
 from blockzoo.layers.config import (
     BiasConfig,
     FillInitializationConfig,
@@ -154,7 +155,7 @@ def test_world_size_the_layout_cannot_divide_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("RANK", "0")
     config = DistributedConfig(tensor_parallel=4)
-    with pytest.raises(ValueError, match=r"cannot lay out 6 processes: world size 6 is not a multiple of .* = 4"):
+    with pytest.raises(UsageError, match=r"cannot lay out 6 processes: world size 6 is not a multiple of .* = 4"):
         Distributed(config)
     assert not dist.is_initialized()
 

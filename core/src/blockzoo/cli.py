@@ -73,11 +73,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(arguments: argparse.Namespace) -> int:
     from blockzoo.config import load
-    from blockzoo.distributed.runtime import Distributed
     from blockzoo.run_config import RunConfig
+
+    run_config = load(RunConfig, arguments.path, arguments.overrides)  # before importing torch: bad configs fail fast
+    from blockzoo.distributed.runtime import Distributed
     from blockzoo.training.trainer import Trainer, TrainingError
 
-    run_config = load(RunConfig, arguments.path, arguments.overrides)
     with Distributed(run_config.distributed) as distributed:
         try:
             Trainer(run_config, distributed=distributed).run()

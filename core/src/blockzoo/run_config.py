@@ -40,6 +40,11 @@ class RunConfig(Config):
             SEQUENCE_DATA_PARALLEL: (self.distributed.sequence_data_parallel > 1, "distributed.sequence_data_parallel"),
         }
         for path, layer in _mixers_and_mlps(self.model):
+            if self.distributed.tensor_parallel > 1 and TENSOR_PARALLEL in layer.capabilities:
+                try:
+                    layer.check_tensor_parallel(self.distributed.tensor_parallel)
+                except ConfigFieldError as error:
+                    raise ConfigFieldError(f"{path}.{error.field_name}", error.message) from None
             for capability, (used, setting) in needed.items():
                 if used and capability not in layer.capabilities:
                     from blockzoo.plugins import get_registry

@@ -261,3 +261,15 @@ def test_config_and_plugin_modules_import_no_torch():
         "structure({'gated': True}, MLPConfig); assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_tensor_parallel_must_divide_the_intermediate_size():
+    from blockzoo.config import ConfigError
+    from blockzoo.run_config import RunConfig
+
+    block = {"mixer": {"type": "none"}, "mlp": {"type": "mlp", "intermediate_size": 10}}
+    with pytest.raises(ConfigError) as caught:
+        structure({"model": {"decoder": {"block": block}}, "distributed": {"tensor_parallel": 4}}, RunConfig)
+    assert dict(caught.value.errors) == {
+        "model.decoder.block.mlp.intermediate_size": "tensor_parallel=4 must divide it (10)"
+    }

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from blockzoo.distributed.config import DistributedConfig
+from blockzoo.errors import UsageError
 
 MESH_DIMS = ("pipeline", "data", "sequence_data", "tensor")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,7 +44,10 @@ class Distributed:
         try:
             self.data_size = config.data_parallel(self.world_size)
         except ValueError as error:
-            raise ValueError(f"cannot lay out {self.world_size} processes: {error}") from None
+            raise UsageError(
+                f"cannot lay out {self.world_size} processes: {error} (distributed.tensor_parallel); "
+                "start as many processes as the layout needs, e.g. `torchrun --nproc-per-node N -m blockzoo train ...`"
+            ) from None
         self.backend = _backend(config.backend)
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.mesh: DeviceMesh | None = None

@@ -157,22 +157,28 @@ GENERATION_CACHE = "generation_cache"
 ALL_CAPABILITIES = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE})
 
 
+class _LayerConfig(PolymorphicConfig):
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """Raise `ConfigFieldError(field, message)` if this layer cannot be split between `tensor_parallel` ranks
+        (e.g. a dimension they do not divide), so the run is refused before anything is built."""
+
+
 @configclass
-class MixerConfig(PolymorphicConfig):
+class MixerConfig(_LayerConfig):
     """Mixes information across tokens (attention, SSMs). Kind `mixer`, default type `attention`."""
 
     kind: ClassVar[str] = "mixer"
     default_type: ClassVar[str] = "attention"
-    capabilities: ClassVar[frozenset[str]] = frozenset()
 
 
 @configclass
-class MLPConfig(PolymorphicConfig):
+class MLPConfig(_LayerConfig):
     """Transforms each token (dense MLP, MoE). Kind `mlp`, default type `mlp`."""
 
     kind: ClassVar[str] = "mlp"
     default_type: ClassVar[str] = "mlp"
-    capabilities: ClassVar[frozenset[str]] = frozenset()
 
 
 @configclass

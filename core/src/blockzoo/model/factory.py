@@ -12,7 +12,7 @@ from blockzoo.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
-from blockzoo.config import ConfigError, structure
+from blockzoo.config import ConfigError, merge, structure
 from blockzoo.config import load as load_config
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.config import ModelConfig
@@ -44,10 +44,17 @@ def build(
 
 
 def load(path: str | Path, *, distributed: Distributed | None = None) -> LanguageModel:
-    """A model from a native checkpoint directory, or a run's output directory (its latest checkpoint)."""
+    """A model from a native checkpoint directory, or a run's output directory (its latest checkpoint).
+
+    Without `distributed`, the model runs in this process alone, whatever parallel layout saved the checkpoint
+    (its tensors are global); pass a `Distributed` to load it into a parallel layout.
+    """
     directory = _checkpoint_directory(Path(path))
-    run_config = structure(read_checkpoint_config(directory), RunConfig, source=str(directory / "config.yaml"))
-    model = build(run_config, distributed=distributed)
+    data = read_checkpoint_config(directory)
+    if distributed is None:
+        data = merge(data, {"distributed": {"tensor_parallel": 1, "sequence_tensor_parallel": False}})
+    run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
+    model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
     load_checkpoint(directory, model=model, distributed=model.distributed)
     return model
 
@@ -67,9 +74,7 @@ def _checkpoint_directory(path: Path) -> Path:
     if (path / "metadata.yaml").is_file():
         return path
     if (path / "config.json").is_file():
-        raise CheckpointError(
-            f"{path} is a Hugging Face checkpoint; importing it needs the blockzoo-huggingface plugin"
-        )
+        raise CheckpointError(path, "is a Hugging Face checkpoint; importing it needs the blockzoo-huggingface plugin")
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
         raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")

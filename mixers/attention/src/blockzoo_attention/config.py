@@ -14,6 +14,7 @@ from blockzoo.api import (
     GENERATION_CACHE,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
+    ConfigFieldError,
     LinearConfig,
     MixerConfig,
     NormalizationConfig,
@@ -176,6 +177,16 @@ class AttentionConfig(MixerConfig):
             f"key and value share one concatenated weight and must both have a bias or neither "
             f"(key: {key_bias}, value: {value_bias})",
         )
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        # Head groups are split when the ranks divide them; otherwise the heads of each group are.
+        groups = self.resolved_head_groups
+        if groups % tensor_parallel and (self.heads // groups) % tensor_parallel:
+            raise ConfigFieldError(
+                "head_groups",
+                f"tensor_parallel={tensor_parallel} must divide head_groups ({groups}) or the heads per group "
+                f"({self.heads // groups})",
+            )
 
     @property
     def resolved_head_groups(self) -> int:

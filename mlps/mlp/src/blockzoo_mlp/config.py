@@ -69,5 +69,12 @@ class DenseMLPConfig(MLPConfig):
                 f" up bias: {self.has_bias(self.up)})",
             )
 
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        check(
+            self.intermediate_size % tensor_parallel == 0,
+            "intermediate_size",
+            f"tensor_parallel={tensor_parallel} must divide it ({self.intermediate_size})",
+        )
+
     def has_bias(self, linear: LinearConfig) -> bool:
         return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
