@@ -144,7 +144,11 @@ class Attention(Mixer):
             keys = queries
         else:
             key, value, keys = state.append(key, value, batch)
-        kernel = select_kernel(self.config.implementation, query)
+        implementation = self.config.implementation
+        if state is not None and implementation == "flex":
+            # Every decoding step has new shapes, and each would recompile FlexAttention's kernel.
+            implementation = "auto"
+        kernel = select_kernel(implementation, query)
         causal, window = self.config.causal, self.config.window_size
         prepared = batch.preprocessed(
             ("blockzoo_attention.kernel", kernel.name, causal, window, state is not None),

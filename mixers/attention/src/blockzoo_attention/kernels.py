@@ -11,10 +11,9 @@ that may differ (generation: the keys are the cache's, the queries the new token
 - `flex`: FlexAttention with a document mask (compiled on CUDA; forward only on CPU).
 
 `auto` picks, on CUDA, varlen where it can run (bf16/fp16), else torch; on the CPU, torch. Measured on an H200
-(`benchmarks/attention_kernels.py`, bf16, fwd+bwd): varlen and flex run within 10% of each other (1.1-2.1 ms for
-8-16k tokens), torch's masked SDPA 15-22x slower; flex also spends about 12 ms building each batch's block mask,
-and in fp32 its compiled kernel failed to build for a 69-token batch (torch 2.11, NoValidChoicesError), so `auto`
-never picks flex; it stays selectable with `implementation: flex`.
+(`benchmarks/attention_kernels.py`, bf16, forward+backward of 8-16k packed tokens): varlen 1.4-2.2 ms and flex
+within 20% of it, torch's masked SDPA 13-21x slower; flex also spends 8-13 ms building each batch's block mask,
+so `auto` never picks flex; it stays selectable with `implementation: flex` (decoding steps then use `auto`).
 """
 
 from __future__ import annotations
@@ -164,7 +163,11 @@ class VarlenKernel:
 
 
 class FlexKernel:
+    """FlexAttention with a document mask. Token counts are padded to a multiple of its block size: torch 2.11's
+    compiled kernel failed to build for other lengths (NoValidChoicesError); padded rows and columns see nothing."""
+
     name = "flex"
+    block = 128
 
     def unavailable(self, query: torch.Tensor) -> str | None:
         return None if _flex_attention() is not None else f"torch {torch.__version__} has no FlexAttention"
@@ -172,6 +175,8 @@ class FlexKernel:
     def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> Any:
         from torch.nn.attention.flex_attention import create_block_mask
 
+        # Padding tokens belong to no document (-1 for queries, -2 for keys), so no query sees a padding key.
+        queries, keys = _padded(queries, self.block, -1), _padded(keys, self.block, -2)
         mask = allowed(queries, keys, causal, window)
         return create_block_mask(
             lambda batch, head, query, key: mask(query, key),
@@ -186,11 +191,24 @@ class FlexKernel:
         flex_attention = _flex_attention()
         if query.is_cuda:
             flex_attention = _compiled(flex_attention)
-        query, key, value = (tensor.transpose(0, 1)[None] for tensor in (query, key, value))
+        tokens = len(query)
+        query, key, value = (_pad_tokens(tensor, self.block).transpose(0, 1)[None] for tensor in (query, key, value))
         output = flex_attention(
             query, key, value, block_mask=block_mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
         )
-        return output[0].transpose(0, 1)
+        return output[0].transpose(0, 1)[:tokens]
+
+
+def _pad_tokens(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
+    return F.pad(tensor, (0, 0, 0, 0, 0, -len(tensor) % multiple))
+
+
+def _padded(segments: Segments, multiple: int, document: int) -> Segments:
+    padding = -len(segments.positions) % multiple
+    return segments._replace(
+        document_index=F.pad(segments.document_index, (0, padding), value=document),
+        positions=F.pad(segments.positions, (0, padding)),
+    )
 
 
 KERNELS = {kernel.name: kernel for kernel in (TorchKernel(), VarlenKernel(), FlexKernel())}
@@ -243,4 +261,6 @@ def _flex_attention() -> Callable | None:
 
 @functools.cache
 def _compiled(function: Callable) -> Callable:
-    return torch.compile(function)
+    # Static shapes: torch 2.11's kernel for dynamic shapes failed to build (NoValidChoicesError). A training run
+    # has one token count per micro-batch, so it compiles once.
+    return torch.compile(function, dynamic=False)
