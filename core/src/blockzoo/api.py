@@ -62,6 +62,10 @@ _LAZY = {
     "materialize": "blockzoo.layers.parameter",
     "Linear": "blockzoo.layers.linear",
     "Distributed": "blockzoo.distributed.runtime",
+    "copy_to_tensor_region": "blockzoo.distributed.ops",
+    "reduce_from_tensor_region": "blockzoo.distributed.ops",
+    "gather_tokens": "blockzoo.distributed.ops",
+    "reduce_scatter_tokens": "blockzoo.distributed.ops",
     "check_parallel_match": "blockzoo.distributed.check",
 }
 

@@ -1,0 +1,144 @@
+"""Config of the mixture-of-experts MLP (`type: moe`). Torch-free, like every plugin's config module."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import attrs
+
+from blockzoo.api import (
+    GENERATION_CACHE,
+    TENSOR_PARALLEL,
+    LinearConfig,
+    MLPConfig,
+    at_least,
+    check,
+    configclass,
+    field,
+)
+
+Activation = Literal["silu", "gelu", "relu", "squared_relu", "identity"]
+Routing = Literal["softmax_top_k", "top_k_softmax"]
+
+
+def _default_activation(config: MoEMLPConfig) -> str:
+    # Derived, so it follows `gated` when an update changes it (unless the activation was given).
+    return "silu" if config.gated else "gelu"
+
+
+@configclass
+class MoEMLPConfig(MLPConfig):
+    """A router picks `experts_per_token` of `experts` MLPs for each token; their outputs are summed, weighted by
+    the routing scores, plus `shared_experts` MLPs every token goes through. Dropless: every token reaches its
+    experts.
+
+    The experts' projections are one tensor each (gate‖up of all experts, down of all experts), split over the
+    intermediate dim between tensor-parallel ranks; gate, up and down keep their own `LinearConfig`.
+    """
+
+    # Not sequence-tensor- or sequence-data-parallel: the load-balancing statistics are means over all the tokens
+    # of the batch, which a token-split rank does not see.
+    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, GENERATION_CACHE})
+
+    experts: int = field(8, doc="Number of routed experts.", validator=at_least(1))
+    experts_per_token: int = field(2, doc="Routed experts each token goes through (top-k).", validator=at_least(1))
+    shared_experts: int = field(
+        0,
+        doc="Experts every token goes through, unweighted (Qwen2-MoE, DeepSeek). Stored as one MLP of width "
+        "shared_experts · intermediate_size.",
+        validator=at_least(0),
+    )
+    shared_expert_gate: LinearConfig | None = field(
+        None,
+        doc="If set (`{}` for the defaults), the shared experts' output is scaled by sigmoid(linear(x)), a scalar per "
+        "token (Qwen2-MoE's `shared_expert_gate`). Needs shared_experts >= 1. No bias unless `bias.enabled`.",
+    )
+    intermediate_size: int = field(4096, doc="Width of the hidden layer of each expert.", validator=at_least(1))
+    gated: bool = field(True, doc="Experts multiply the activation by a second (gate) projection (SwiGLU).")
+    activation: Activation = field(
+        attrs.Factory(_default_activation, takes_self=True),
+        doc="silu, gelu (exact, erf-based), relu, squared_relu (relu²) or identity. Default: silu if gated, else gelu.",
+    )
+    router: LinearConfig = field(
+        factory=LinearConfig,
+        doc="The router, hidden -> experts logits. Its own initialization and lr_scale; no bias unless "
+        "`bias.enabled` (`add_linear_biases` does not apply to it).",
+    )
+    gate: LinearConfig = field(factory=LinearConfig, doc="The experts' gate projection (gated only).")
+    up: LinearConfig = field(factory=LinearConfig, doc="The experts' up projection.")
+    down: LinearConfig = field(factory=LinearConfig, doc="The experts' down projection, back to the hidden size.")
+    add_linear_biases: bool = field(False, doc="Default `bias.enabled` of the expert (and shared-expert) projections.")
+    routing: Routing = field(
+        "softmax_top_k",
+        doc="softmax_top_k: softmax over all experts, then the top k (Mixtral, Qwen-MoE). top_k_softmax: the top k "
+        "logits, then a softmax over them (always sums to 1; equal to softmax_top_k with norm_topk_prob up to "
+        "rounding).",
+    )
+    norm_topk_prob: bool = field(
+        True,
+        doc="softmax_top_k only: rescale the selected probabilities to sum to 1 (Mixtral: true; Qwen-MoE: false).",
+    )
+    auxiliary_loss_coefficient: float = field(
+        0.01,
+        doc="Weight of the load-balancing loss experts · Σ_e (fraction of routings to e) · (mean probability of e), "
+        "added as `<layer>.load_balancing` (Switch, Mixtral).",
+        validator=at_least(0),
+    )
+    z_loss_coefficient: float = field(
+        0.0,
+        doc="Weight of the router z-loss mean(logsumexp(logits)²), added as `<layer>.router_z_loss`.",
+        validator=at_least(0),
+    )
+    router_jitter: float = field(
+        0.0,
+        doc="Training only: the router's input is multiplied by noise uniform in [1 - jitter, 1 + jitter] (Mixtral's "
+        "router_jitter_noise). The experts see the clean input.",
+        validator=at_least(0),
+    )
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(
+            self.experts_per_token <= self.experts,
+            "experts_per_token",
+            f"must be <= experts ({self.experts}), got {self.experts_per_token}",
+        )
+        check(
+            self.gated or self.gate == LinearConfig(),
+            "gate",
+            "only gated experts have a gate projection; set `gated: true` or remove `gate`",
+        )
+        check(
+            self.shared_expert_gate is None or self.shared_experts > 0,
+            "shared_expert_gate",
+            "gates the shared experts, but shared_experts is 0",
+        )
+        check(
+            self.routing == "softmax_top_k" or self.norm_topk_prob,
+            "norm_topk_prob",
+            "routing top_k_softmax always sums to 1 over the selected experts; use routing softmax_top_k",
+        )
+        check(
+            self.router_jitter < 1,
+            "router_jitter",
+            f"must be < 1 (a noise factor in [1 - jitter, 1 + jitter]), got {self.router_jitter}",
+        )
+        if self.gated:
+            check(
+                self.has_bias(self.gate) == self.has_bias(self.up),
+                "up.bias.enabled",
+                f"gate and up are one fused weight: both have a bias or neither (gate bias: {self.has_bias(self.gate)},"
+                f" up bias: {self.has_bias(self.up)})",
+            )
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        check(
+            self.intermediate_size % tensor_parallel == 0,
+            "intermediate_size",
+            f"tensor_parallel={tensor_parallel} must divide it ({self.intermediate_size})",
+        )
+
+    def has_bias(self, linear: LinearConfig) -> bool:
+        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled

@@ -1,0 +1,301 @@
+"""The mixture of experts: a router, top-k routing, dropless experts, optional shared experts.
+
+Dropless computation: the (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous;
+each projection is then one matrix product per expert (CPU, fp32) or one grouped GEMM over all experts
+(`torch._grouped_mm`, CUDA bf16, no host sync); the outputs are weighted by the routing scores and summed back per
+token.
+
+Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: each rank computes a partial sum
+of every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so
+every rank computes the same logits, routing and losses; the scores enter the tensor-parallel region (their
+gradient is summed over the ranks' partial outputs).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockzoo.api import (
+    MLP,
+    Batch,
+    CompositeTensorDim,
+    ConcatenatedTensorDim,
+    Distributed,
+    Linear,
+    NormalInitializationConfig,
+    TensorDim,
+    copy_to_tensor_region,
+    create_parameter,
+    reduce_from_tensor_region,
+)
+from blockzoo_moe.config import MoEMLPConfig
+
+
+def _squared_relu(input: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(input))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "squared_relu": _squared_relu,
+    "identity": lambda input: input,
+}
+
+
+class ExpertProjection(nn.Module):
+    """One projection of all the experts, as one `weight` of dims `weight_dims` (and a `bias` of dims `bias_dims`).
+
+    `configs`: one `LinearConfig`, or one per component of a concatenated first dim (gate‖up), each honoured for
+    its rows. Not callable: the experts' loop reads the weights through views.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        configs: list,
+        weight_dims: tuple[TensorDim, TensorDim],
+        bias_dims: tuple[TensorDim],
+        distributed: Distributed,
+        *,
+        initialization: NormalInitializationConfig,
+        default_bias: bool,
+        lr_scale: float,
+    ):
+        super().__init__()
+        weight_settings = [c.resolve_weight(initialization=initialization, lr_scale=lr_scale) for c in configs]
+        self.weight = create_parameter(f"{name}.weight", weight_dims, weight_settings, distributed)
+        bias_settings = [c.resolve_bias(enabled=default_bias, lr_scale=lr_scale) for c in configs]
+        self.bias = (
+            None
+            if bias_settings[0] is None
+            else create_parameter(f"{name}.bias", bias_dims, bias_settings, distributed)
+        )
+
+
+class MoEMLP(MLP):
+    def __init__(
+        self, config: MoEMLPConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
+    ):
+        lr_scale = lr_scale * (1.0 if config.lr_scale is None else config.lr_scale)
+        super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
+        self._activation = ACTIVATIONS[config.activation]
+        self._tensor_group = distributed.tensor_group
+        self._local_intermediate = TensorDim("intermediate", config.intermediate_size, parallel=True).local_size(
+            distributed.tensor_size
+        )
+        initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
+        experts = TensorDim("experts", config.experts)
+        linear_options = {"default_initialization": initialization, "lr_scale": lr_scale}
+        self.router = Linear(f"{name}.router", config.router, hidden_dim, experts, distributed, **linear_options)
+
+        # Expert weights, rows expert-major: gate_up is [gate of every expert ‖ up of every expert] x hidden, each
+        # part split over the intermediate dim; down is stored transposed, (expert, intermediate) x hidden.
+        def per_expert(part: str) -> CompositeTensorDim:
+            return CompositeTensorDim(
+                f"expert_{part}", [experts, TensorDim(part, config.intermediate_size, parallel=True)]
+            )
+
+        parts = ["gate", "up"] if config.gated else ["up"]
+        input_dim = ConcatenatedTensorDim("gate_up", [per_expert(part) for part in parts])
+        expert_options = {
+            "initialization": initialization,
+            "default_bias": config.add_linear_biases,
+            "lr_scale": lr_scale,
+        }
+        self.gate_up = ExpertProjection(
+            f"{name}.gate_up",
+            [getattr(config, part) for part in parts],
+            (input_dim, hidden_dim),
+            (input_dim,),
+            distributed,
+            **expert_options,
+        )
+        self.down = ExpertProjection(
+            f"{name}.down",
+            [config.down],
+            (per_expert("intermediate"), hidden_dim),
+            (CompositeTensorDim("expert_hidden", [experts, hidden_dim]),),
+            distributed,
+            **expert_options,
+        )
+
+        if config.shared_experts:
+            # All the shared experts are one MLP of their summed width: the sum of their outputs.
+            width = config.shared_experts * config.intermediate_size
+            shared_dims = [TensorDim(f"shared_{part}", width, parallel=True) for part in parts]
+            shared_options = {**linear_options, "default_bias": config.add_linear_biases}
+            self.shared_gate_up = Linear(
+                f"{name}.shared_gate_up",
+                [getattr(config, part) for part in parts],
+                hidden_dim,
+                ConcatenatedTensorDim("shared_gate_up", shared_dims),
+                distributed,
+                **shared_options,
+            )
+            self.shared_down = Linear(
+                f"{name}.shared_down",
+                config.down,
+                TensorDim("shared_intermediate", width, parallel=True),
+                hidden_dim,
+                distributed,
+                **shared_options,
+            )
+        if config.shared_expert_gate is not None:
+            self.shared_expert_gate = Linear(
+                f"{name}.shared_expert_gate",
+                config.shared_expert_gate,
+                hidden_dim,
+                TensorDim("shared_expert_gate", 1),
+                distributed,
+                **linear_options,
+            )
+        # Jitter noise must be the same on the tensor-parallel ranks (they share the router's input), and differ
+        # between data-parallel ranks.
+        self._jitter_seed = zlib.crc32(f"{name}.router_jitter".encode(), distributed.config.seed % 2**32)
+        self._jitter_seed += distributed.data_rank
+        self._jitter_generator: torch.Generator | None = None
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
+        logits = self.router(self._jittered(hidden)).float()
+        scores, selected = self.route(logits)
+        self._add_losses(logits, selected, batch)
+        output = self._routed_experts(hidden, scores.to(hidden.dtype), selected)
+        if self.config.shared_experts:
+            output = output + self._shared_experts(hidden)
+        return output
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, experts), each [tokens, experts_per_token], from the router's float32 logits."""
+        top_k = self.config.experts_per_token
+        if self.config.routing == "top_k_softmax":
+            top_logits, selected = logits.topk(top_k, dim=-1)
+            return top_logits.softmax(dim=-1), selected
+        scores, selected = logits.softmax(dim=-1).topk(top_k, dim=-1)
+        if self.config.norm_topk_prob:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return scores, selected
+
+    def _jittered(self, hidden: torch.Tensor) -> torch.Tensor:
+        jitter = self.config.router_jitter
+        if not (self.training and jitter):
+            return hidden
+        if self._jitter_generator is None or self._jitter_generator.device != hidden.device:
+            self._jitter_generator = torch.Generator(hidden.device).manual_seed(self._jitter_seed)
+        noise = torch.empty_like(hidden).uniform_(1 - jitter, 1 + jitter, generator=self._jitter_generator)
+        return hidden * noise
+
+    def _add_losses(self, logits: torch.Tensor, selected: torch.Tensor, batch: Batch) -> None:
+        config = self.config
+        if config.auxiliary_loss_coefficient:
+            # Fraction of the routings that go to each expert (not differentiable) · mean probability of each expert.
+            routed_fraction = F.one_hot(selected, config.experts).sum(dim=1).float().mean(dim=0)
+            mean_probability = logits.softmax(dim=-1).mean(dim=0)
+            balance = config.experts * (routed_fraction * mean_probability).sum()
+            batch.add_loss(f"{self.name}.load_balancing", config.auxiliary_loss_coefficient * balance)
+        if config.z_loss_coefficient:
+            z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+            batch.add_loss(f"{self.name}.router_z_loss", config.z_loss_coefficient * z_loss)
+
+    def _routed_experts(self, hidden: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        group, top_k = self._tensor_group, self.config.experts_per_token
+        # Sort the (token, expert) pairs by expert: each expert's tokens are then one contiguous block.
+        flat_experts = selected.flatten()
+        order = flat_experts.argsort(stable=True)
+        tokens = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.config.experts)
+        routed = copy_to_tensor_region(hidden, group)[tokens]
+        if self.uses_grouped_mm(routed):
+            outputs = self._grouped_expert_products(routed, counts, flat_experts[order])
+        else:
+            outputs = self._looped_expert_products(routed, counts.tolist())
+        outputs = outputs * copy_to_tensor_region(scores, group).flatten()[order, None]
+        combined = reduce_from_tensor_region(hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs), group)
+        if self.down.bias is not None:
+            # Each expert's bias weighted by the token's score for it; replicated, so added after the reduction.
+            weights = scores.new_zeros(len(hidden), self.config.experts).scatter(1, selected, scores)
+            combined = combined + weights @ self.down.bias.to(hidden.dtype).view(self.config.experts, -1)
+        return combined
+
+    def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """gate_up [part, expert, intermediate, hidden], its bias [part, expert, intermediate] or None, and
+        down [expert, intermediate, hidden]: views of this rank's shards, in the compute dtype."""
+        experts, intermediate = self.config.experts, self._local_intermediate
+        parts = 2 if self.config.gated else 1
+        gate_up = self.gate_up.weight.to(dtype).view(parts, experts, intermediate, -1)
+        gate_up_bias = None if self.gate_up.bias is None else self.gate_up.bias.to(dtype).view(parts, experts, -1)
+        return gate_up, gate_up_bias, self.down.weight.to(dtype).view(experts, intermediate, -1)
+
+    def _activate(self, projected: list[torch.Tensor]) -> torch.Tensor:
+        activated = self._activation(projected[0])
+        return activated * projected[1] if self.config.gated else activated
+
+    def _looped_expert_products(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's MLP (without the down bias) over its block of `routed`: one matrix product per expert."""
+        gate_up, gate_up_bias, down = self._expert_weights(routed.dtype)
+        outputs = []
+        for expert, block in enumerate(routed.split(counts)):
+            projected = [
+                block @ gate_up[part, expert].t() + (0 if gate_up_bias is None else gate_up_bias[part, expert])
+                for part in range(len(gate_up))
+            ]
+            outputs.append(self._activate(projected) @ down[expert])
+        return torch.cat(outputs)
+
+    def uses_grouped_mm(self, routed: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs (`torch._grouped_mm`): on CUDA in bf16, with the 16-byte
+        aligned rows it needs. Otherwise one product per expert."""
+        aligned = self.hidden_dim.global_size % 8 == 0 and self._local_intermediate % 8 == 0
+        return routed.is_cuda and routed.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm")
+
+    def _grouped_expert_products(
+        self, routed: torch.Tensor, counts: torch.Tensor, sorted_experts: torch.Tensor
+    ) -> torch.Tensor:
+        """As `_looped_expert_products`, each projection one grouped GEMM over all experts, with no host sync."""
+        gate_up, gate_up_bias, down = self._expert_weights(routed.dtype)
+        offsets = counts.cumsum(0).to(torch.int32)
+        projected = [
+            torch._grouped_mm(routed, gate_up[part].transpose(1, 2), offs=offsets)
+            + (0 if gate_up_bias is None else gate_up_bias[part][sorted_experts])
+            for part in range(len(gate_up))
+        ]
+        return torch._grouped_mm(self._activate(projected), down, offs=offsets)
+
+    def _shared_experts(self, hidden: torch.Tensor) -> torch.Tensor:
+        projected = self.shared_gate_up(hidden)
+        if self.config.gated:
+            gate, up = projected.chunk(2, dim=-1)
+            intermediate = self._activation(gate) * up
+        else:
+            intermediate = self._activation(projected)
+        output = self.shared_down(intermediate)
+        if self.config.shared_expert_gate is not None:
+            output = output * torch.sigmoid(self.shared_expert_gate(hidden))
+        return output
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        """Matrix products of the active experts only (experts_per_token routed + the shared ones), the router and
+        the shared-expert gate; elementwise work, the sort and the combine are negligible beside them."""
+        config, tokens = self.config, batch.num_tokens
+        routed = tokens * config.experts_per_token
+        hidden = self.hidden_dim.global_size
+        parts = 2 if config.gated else 1
+        counts = [
+            (2 * routed * hidden * config.intermediate_size * parts, self.gate_up.weight.requires_grad),
+            (2 * routed * config.intermediate_size * hidden, self.down.weight.requires_grad),
+        ]
+        linears = [self.router]
+        if config.shared_experts:
+            linears += [self.shared_gate_up, self.shared_down]
+        if config.shared_expert_gate is not None:
+            linears.append(self.shared_expert_gate)
+        forward = sum(f for f, _ in counts) + sum(linear.forward_flops(tokens) for linear in linears)
+        backward = sum(f * (2 if trained else 1) for f, trained in counts)
+        backward += sum(linear.backward_flops(tokens) for linear in linears)
+        return forward, backward

@@ -1,0 +1,17 @@
+"""The plugin's hooks: registers the mixture of experts as MLP type `moe`."""
+
+from blockzoo.api import PluginInfo, hookimpl
+from blockzoo_moe.config import MoEMLPConfig
+
+
+@hookimpl
+def plugin_info() -> PluginInfo:
+    return PluginInfo(
+        capabilities=tuple(sorted(MoEMLPConfig.capabilities)),
+        description="the mixture-of-experts MLP (dropless top-k routing, shared experts, tensor-parallel experts)",
+    )
+
+
+@hookimpl
+def register_mlps(register) -> None:
+    register("moe", MoEMLPConfig, "blockzoo_moe.moe:MoEMLP")
