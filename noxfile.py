@@ -13,8 +13,8 @@ TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
 DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/examples/*"]
 
 nox.options.sessions = ["lint", "tests"]
-# The distributions of the demo, installed together.
-DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mlps/mlp")]
+# The distributions of the demo, installed together (examples/moe.yaml also runs there).
+DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mlps/mlp"), Path("mlps/moe")]
 nox.options.reuse_venv = "yes"
 
 

@@ -128,7 +128,7 @@ class Trainer:
             (cross_entropy / labelled + extra).backward()
             total_cross_entropy += cross_entropy.detach().float()
             for name, value in losses.items():
-                named[name] = named.get(name, 0.0) + float(value) / len(micro_batches)
+                named[name] = named.get(name, 0.0) + float(value.detach()) / len(micro_batches)
         loss = self._reduce_loss(total_cross_entropy) / float(labelled)
         self._check_finite("loss", loss)
         self._reduce_gradients()
