@@ -57,11 +57,12 @@ def tests(session: nox.Session, distribution: str) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
-    reload its checkpoint and continue a prompt."""
+    reload its checkpoint and continue a prompt. `nox -s demo -- moe` does the same with examples/moe.yaml."""
     install(session, *DEMO_FOLDERS, extra=None)
-    output = Path(session.create_tmp()) / "demo"
+    example = session.posargs[0] if session.posargs else "demo"
+    output = Path(session.create_tmp()) / example
     session.run("rm", "-rf", str(output), external=True)
-    session.run("blockzoo", "train", "examples/demo.yaml", f"training.output_dir={output}")
+    session.run("blockzoo", "train", f"examples/{example}.yaml", f"training.output_dir={output}")
     session.run("blockzoo", "generate", str(output), "--prompt", "Once upon a time", "--max-new-tokens", "300")
 
 
