@@ -23,6 +23,7 @@ from blockzoo.config import (
     to_dict,
 )
 from blockzoo.distributed.config import DistributedConfig
+from blockzoo.errors import UsageError
 from blockzoo.layers.config import (
     ALL_CAPABILITIES,
     GENERATION_CACHE,
@@ -81,6 +82,7 @@ __all__ = [
     "FillInitializationConfig",
     "NormalInitializationConfig",
     "UniformInitializationConfig",
+    "UsageError",
     "BiasConfig",
     "BlockConfig",
     "BlockSequenceConfig",

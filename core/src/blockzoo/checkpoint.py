@@ -15,7 +15,8 @@ A checkpoint is a directory:
 No pickle: tensors go to safetensors, everything else to YAML. Rank 0 writes, after the ranks gathered
 the global tensors, into a temporary directory beside the target that is then renamed, so a crash
 mid-save leaves the previous checkpoint as it was. Loading, each rank takes its own shard of every
-global tensor, so any parallel layout loads a checkpoint of any other.
+global tensor, so any parallel layout loads a checkpoint of any other (experts split over the data group by
+expert parallelism are gathered over it for saving, and each data rank takes its experts when loading).
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ def _gather_optimizer_state(
 
 
 def _to_global(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distributed) -> torch.Tensor:
-    """The global tensor of a parameter-shaped `tensor` (all tensor-parallel ranks take part), on the CPU."""
+    """The global tensor of a parameter-shaped `tensor` (all tensor-parallel ranks take part, and all data-parallel
+    ranks for a parameter split over the data group), on the CPU."""
     meta = getattr(parameter, "meta", None)
     if meta is not None:  # Parameters not made by the parameter factory are replicated.
-        tensor = meta.local_to_global(tensor, distributed.tensor_group)
+        tensor = meta.local_to_global(tensor, distributed.tensor_group, distributed.data_group)
     return tensor.cpu().contiguous()
 
 
@@ -435,7 +437,9 @@ def _to_local(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distri
     meta = getattr(parameter, "meta", None)
     if meta is None:
         return tensor
-    return meta.global_to_local(tensor, distributed.tensor_rank, distributed.tensor_size)
+    return meta.global_to_local(
+        tensor, distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size
+    )
 
 
 def _check_weights(file: _TensorFile, model: nn.Module) -> None:

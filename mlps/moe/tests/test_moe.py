@@ -18,7 +18,7 @@ from blockzoo.layers.base import Batch
 from blockzoo.layers.config import GENERATION_CACHE, TENSOR_PARALLEL, MLPConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
-from blockzoo_moe.config import MoEMLPConfig
+from blockzoo_moe.config import EXPERT_PARALLEL, MoEMLPConfig
 from blockzoo_moe.moe import MoEMLP
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 8, 6, 5, 2
@@ -287,7 +287,13 @@ FIELD_CHANGES = {
 }
 
 
-@pytest.mark.parametrize("field_name", [field.name for field in attrs.fields(MoEMLPConfig)])
+# Fields that only act with several ranks; test_moe_parallel.py checks that they change the layer.
+DISTRIBUTED_ONLY = {"expert_parallel"}
+
+
+@pytest.mark.parametrize(
+    "field_name", [field.name for field in attrs.fields(MoEMLPConfig) if field.name not in DISTRIBUTED_ONLY]
+)
 def test_every_field_changes_the_layer(field_name):
     assert field_name in FIELD_CHANGES, f"no test changes field {field_name!r}"
     base = make_config(**BASE)
@@ -375,7 +381,8 @@ def test_registered_as_moe():
     entry = get_registry().resolve("mlp", "moe")
     assert entry.config_class is MoEMLPConfig and entry.load_implementation() is MoEMLP
     assert entry.plugin.distribution == "blockzoo-moe"
-    assert set(entry.plugin.info.capabilities) == MoEMLPConfig.capabilities == {TENSOR_PARALLEL, GENERATION_CACHE}
+    expected = {TENSOR_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL}
+    assert set(entry.plugin.info.capabilities) == MoEMLPConfig.capabilities == expected
 
 
 def test_config_and_plugin_modules_import_no_torch():

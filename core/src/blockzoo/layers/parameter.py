@@ -6,6 +6,11 @@
 Initialization does not depend on the parallel layout: the global tensor is initialized on the CPU
 from a generator seeded by the run's seed and the parameter's full name, then this rank's shard is
 taken, so a tensor-parallel run starts from exactly the weights of the single-process run.
+
+Most parameters are replicated across the data group. A parameter made with `data_parallel_dims` (the experts
+of expert parallelism) is instead split over the data group too: `data_parallel_dims` describes the global tensor
+(its `parallel` dims split between data ranks), `dims` this data rank's part (itself maybe tensor-parallel). The
+global tensor is initialized, then this data rank's part taken, then this tensor rank's shard of it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class ParameterMeta:
     `reduce_gradient_over_tensor_group` marks a replicated parameter whose gradient on each rank is a
     partial sum (it only sees this rank's tokens under sequence-tensor-parallel, or this rank's share of
     the work inside the tensor-parallel region): its gradient must be summed over the tensor group.
+    `data_parallel_dims`, for a parameter split over the data group (`data_parallel_sharded`), are its dims over
+    every data rank, `dims` being this data rank's part: its gradient is not summed over the data group (each rank
+    holds the whole gradient of its part), its norm and checkpoint tensor are assembled over the data group.
     """
 
     name: str
@@ -46,10 +54,15 @@ class ParameterMeta:
     component_rows: tuple[slice, ...]
     tensor_parallel: bool
     reduce_gradient_over_tensor_group: bool
+    data_parallel_dims: tuple[TensorDim, ...] | None = None
+
+    @property
+    def data_parallel_sharded(self) -> bool:
+        return self.data_parallel_dims is not None
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        return tuple(dim.global_size for dim in self.dims)
+        return tuple(dim.global_size for dim in self.data_parallel_dims or self.dims)
 
     @property
     def requires_grad(self) -> bool:
@@ -76,16 +89,25 @@ class ParameterMeta:
             rows[component] = value
         return rows
 
-    def global_to_local(self, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    def global_to_local(
+        self, tensor: torch.Tensor, tp_rank: int, tp_size: int, data_rank: int = 0, data_size: int = 1
+    ) -> torch.Tensor:
         """This rank's shard of a global tensor of this parameter's shape (loading a checkpoint)."""
+        for index, dim in enumerate(self.data_parallel_dims or ()):
+            tensor = dim.global_to_local(tensor, index, data_rank, data_size)
         for index, dim in enumerate(self.dims):
             tensor = dim.global_to_local(tensor, index, tp_rank, tp_size)
         return tensor
 
-    def local_to_global(self, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        """The global tensor from every rank's shard of the parameter (or of its gradient)."""
+    def local_to_global(
+        self, tensor: torch.Tensor, group: ProcessGroup | None, data_group: ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """The global tensor from every rank's shard of the parameter (or of its gradient): gathered over the
+        tensor `group`, then, if data-parallel sharded, over `data_group`."""
         for index, dim in enumerate(self.dims):
             tensor = dim.local_to_global(tensor, index, group)
+        for index, dim in enumerate(self.data_parallel_dims or ()):
+            tensor = dim.local_to_global(tensor, index, data_group)
         return tensor
 
 
@@ -97,6 +119,7 @@ def create_parameter(
     *,
     token_sharded_input: bool = False,
     partial_gradient: bool = False,
+    data_parallel_dims: Sequence[TensorDim] | None = None,
     device: torch.device | str | None = None,
 ) -> nn.Parameter:
     """Make and initialize this rank's shard of parameter `name` (its full name, e.g. `decoder.0.mlp.up.weight`).
@@ -107,6 +130,8 @@ def create_parameter(
     `partial_gradient`: a replicated parameter used inside the tensor-parallel region by this rank's share
     of the work only (e.g. MQA's key/value when the query heads are split, per-head norm weights): its
     gradient is flagged for a sum over the tensor group whenever tensor-parallel.
+    `data_parallel_dims`: the parameter is split over the data group (expert parallelism): these are its dims over
+    all data ranks (the `parallel` ones split between data ranks), `dims` this data rank's part.
     `device`: defaults to the run's device; "meta" makes an uninitialized parameter (see `materialize`).
     A parameter whose settings are all frozen (lr_scale 0) does not require gradients.
     """
@@ -123,6 +148,14 @@ def create_parameter(
         local_shape = tuple(dim.local_size(distributed.tensor_size) for dim in dims)
     except ValueError as error:
         raise ValueError(f"parameter {name!r}: {error}") from None
+    if data_parallel_dims is not None:
+        data_parallel_dims = tuple(data_parallel_dims)
+        data_local = tuple(dim.local_size(distributed.data_size) for dim in data_parallel_dims)
+        if data_local != tuple(dim.global_size for dim in dims):
+            raise ValueError(
+                f"parameter {name!r}: its data-parallel part {list(data_local)} does not match its dims "
+                f"{[dim.global_size for dim in dims]}"
+            )
     meta = ParameterMeta(
         name=name,
         dims=dims,
@@ -132,6 +165,7 @@ def create_parameter(
         tensor_parallel=tensor_parallel,
         reduce_gradient_over_tensor_group=(token_sharded_input and distributed.config.uses_sequence_tensor_parallel)
         or (partial_gradient and distributed.tensor_size > 1),
+        data_parallel_dims=data_parallel_dims,
     )
     parameter = nn.Parameter(
         torch.empty(local_shape, device=distributed.device if device is None else device),
@@ -148,10 +182,14 @@ def initialize_parameter(parameter: nn.Parameter, distributed: Distributed) -> N
     meta: ParameterMeta = parameter.meta
     generator = torch.Generator().manual_seed(_seed(distributed.config.seed, meta.name))
     full = torch.empty(meta.global_shape)
-    for rows, settings in zip(_component_rows(meta.name, meta.dims, len(meta.settings), 1), meta.settings):
+    global_dims = meta.data_parallel_dims or meta.dims
+    for rows, settings in zip(_component_rows(meta.name, global_dims, len(meta.settings), 1), meta.settings):
         _initializer(settings.initialization)(full[rows], settings.initialization, generator)
+    local = meta.global_to_local(
+        full, distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size
+    )
     with torch.no_grad():
-        parameter.copy_(meta.global_to_local(full, distributed.tensor_rank, distributed.tensor_size))
+        parameter.copy_(local)
 
 
 def materialize(module: nn.Module, distributed: Distributed) -> None:

@@ -163,25 +163,27 @@ class Trainer:
         group = self.distributed.data_group
         if group is not None:
             for parameter in parameters:
-                if parameter.grad is not None:
+                # A data-parallel sharded parameter (an expert) already has the gradient of every rank's tokens:
+                # expert parallelism's all-to-all brought them to the rank that holds it.
+                if parameter.grad is not None and not parameter.meta.data_parallel_sharded:
                     dist.all_reduce(parameter.grad, group=group)
 
     def _clip_gradients(self) -> float:
-        """The global gradient norm (split parameters summed over the tensor group); clipped to the config's limit."""
-        sharded, replicated = (
-            torch.zeros((), device=self.distributed.device),
-            torch.zeros((), device=self.distributed.device),
-        )
+        """The global gradient norm, clipped to the config's limit. Squares of parameters split over the tensor
+        group are summed over it, those of parameters split over the data group (experts) over the data group."""
+        # squares[tensor-parallel split][data-parallel split]
+        squares = torch.zeros(2, 2, device=self.distributed.device)
         parameters = [p for p in unique_trainable(self.model.parameters()) if p.grad is not None]
         for parameter in parameters:
-            square = parameter.grad.float().pow(2).sum()
-            if parameter.meta.tensor_parallel:
-                sharded += square
-            else:
-                replicated += square
+            meta = parameter.meta
+            squares[int(meta.tensor_parallel), int(meta.data_parallel_sharded)] += parameter.grad.float().pow(2).sum()
         if self.distributed.tensor_group is not None:
-            dist.all_reduce(sharded, group=self.distributed.tensor_group)
-        norm = float((sharded + replicated).sqrt())
+            dist.all_reduce(squares[1], group=self.distributed.tensor_group)
+        if self.distributed.data_group is not None:
+            data_sharded = squares[:, 1].contiguous()
+            dist.all_reduce(data_sharded, group=self.distributed.data_group)
+            squares[:, 1] = data_sharded
+        norm = float(squares.sum().sqrt())
         limit = self.config.gradient_clipping
         if limit is not None and norm > limit:
             for parameter in parameters:

@@ -20,6 +20,9 @@ from blockzoo.api import (
 Activation = Literal["silu", "gelu", "relu", "squared_relu", "identity"]
 Routing = Literal["softmax_top_k", "top_k_softmax"]
 
+# Experts split between the data-parallel ranks, tokens exchanged with all-to-all (`expert_parallel: true`).
+EXPERT_PARALLEL = "expert_parallel"
+
 
 def _default_activation(config: MoEMLPConfig) -> str:
     # Derived, so it follows `gated` when an update changes it (unless the activation was given).
@@ -38,7 +41,7 @@ class MoEMLPConfig(MLPConfig):
 
     # Not sequence-tensor- or sequence-data-parallel: the load-balancing statistics are means over all the tokens
     # of the batch, which a token-split rank does not see.
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL})
 
     experts: int = field(8, doc="Number of routed experts.", validator=at_least(1))
     experts_per_token: int = field(2, doc="Routed experts each token goes through (top-k).", validator=at_least(1))
@@ -95,6 +98,12 @@ class MoEMLPConfig(MLPConfig):
         "router_jitter_noise). The experts see the clean input.",
         validator=at_least(0),
     )
+    expert_parallel: bool = field(
+        False,
+        doc="Split the experts between the data-parallel ranks (rank r holds experts [r·E/dp, (r+1)·E/dp)); each "
+        "rank routes its own tokens and sends each (token, expert) pair to the rank holding the expert with an "
+        "all-to-all. experts must divide by the data-parallel size.",
+    )
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
@@ -132,6 +141,22 @@ class MoEMLPConfig(MLPConfig):
                 f"gate and up are one fused weight: both have a bias or neither (gate bias: {self.has_bias(self.gate)},"
                 f" up bias: {self.has_bias(self.up)})",
             )
+
+    def check_expert_parallel(self, data_parallel: int, tensor_parallel: int) -> None:
+        """Raise if the experts cannot be split between `data_parallel` ranks (with `expert_parallel`)."""
+        if not self.expert_parallel:
+            return
+        check(
+            self.experts % data_parallel == 0,
+            "experts",
+            f"expert_parallel splits the experts between the {data_parallel} data-parallel ranks: it must divide "
+            f"the number of experts ({self.experts})",
+        )
+        check(
+            tensor_parallel == 1 or not self.has_bias(self.down),
+            "down.bias.enabled",
+            "expert_parallel with tensor_parallel > 1 does not support a down-projection bias",
+        )
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         check(

@@ -9,6 +9,12 @@ Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: 
 of every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so
 every rank computes the same logits, routing and losses; the scores enter the tensor-parallel region (their
 gradient is summed over the ranks' partial outputs).
+
+Expert parallelism (`expert_parallel`) splits the experts between the data-parallel ranks: their weights are
+parameters sharded over the data group (`create_parameter(data_parallel_dims=...)`: not all-reduced over it, the
+checkpoint holds the global tensor). Each rank routes its own tokens, sends each (token, expert) pair to the rank
+holding the expert (an all-to-all), runs its experts and sends the results back (the reverse all-to-all); the
+backward exchanges the gradients the same way, so an expert's gradient holds every rank's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,10 +32,12 @@ from blockzoo.api import (
     Batch,
     CompositeTensorDim,
     ConcatenatedTensorDim,
+    ConfigFieldError,
     Distributed,
     Linear,
     NormalInitializationConfig,
     TensorDim,
+    UsageError,
     copy_to_tensor_region,
     create_parameter,
     reduce_from_tensor_region,
@@ -49,6 +58,27 @@ ACTIVATIONS = {
 }
 
 
+def _exchange(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """All-to-all of rows: `input_splits[r]` rows go to rank r, `output_splits[r]` come from it."""
+    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
+    return output
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_exchange` forward; the reverse exchange of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange(tensor, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
 class ExpertProjection(nn.Module):
     """One projection of all the experts, as one `weight` of dims `weight_dims` (and a `bias` of dims `bias_dims`).
 
@@ -64,18 +94,22 @@ class ExpertProjection(nn.Module):
         bias_dims: tuple[TensorDim],
         distributed: Distributed,
         *,
+        data_parallel_dims: tuple[tuple[TensorDim, ...], tuple[TensorDim, ...]] | None,
         initialization: NormalInitializationConfig,
         default_bias: bool,
         lr_scale: float,
     ):
         super().__init__()
         weight_settings = [c.resolve_weight(initialization=initialization, lr_scale=lr_scale) for c in configs]
-        self.weight = create_parameter(f"{name}.weight", weight_dims, weight_settings, distributed)
+        weight_split, bias_split = data_parallel_dims or (None, None)
+        self.weight = create_parameter(
+            f"{name}.weight", weight_dims, weight_settings, distributed, data_parallel_dims=weight_split
+        )
         bias_settings = [c.resolve_bias(enabled=default_bias, lr_scale=lr_scale) for c in configs]
         self.bias = (
             None
             if bias_settings[0] is None
-            else create_parameter(f"{name}.bias", bias_dims, bias_settings, distributed)
+            else create_parameter(f"{name}.bias", bias_dims, bias_settings, distributed, data_parallel_dims=bias_split)
         )
 
 
@@ -85,6 +119,12 @@ class MoEMLP(MLP):
     ):
         lr_scale = lr_scale * (1.0 if config.lr_scale is None else config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
+        try:
+            config.check_expert_parallel(distributed.data_size, distributed.tensor_size)
+        except ConfigFieldError as error:  # Known only now (the world size): a usage error naming the layer's field.
+            raise UsageError(f"{name}.{error.field_name}: {error.message}") from None
+        self._data_group = distributed.data_group if config.expert_parallel and distributed.data_size > 1 else None
+        self._local_experts = config.experts if self._data_group is None else config.experts // distributed.data_size
         self._activation = ACTIVATIONS[config.activation]
         self._tensor_group = distributed.tensor_group
         self._local_intermediate = TensorDim("intermediate", config.intermediate_size, parallel=True).local_size(
@@ -97,34 +137,48 @@ class MoEMLP(MLP):
 
         # Expert weights, rows expert-major: gate_up is [gate of every expert ‖ up of every expert] x hidden, each
         # part split over the intermediate dim; down is stored transposed, (expert, intermediate) x hidden.
-        def per_expert(part: str) -> CompositeTensorDim:
-            return CompositeTensorDim(
-                f"expert_{part}", [experts, TensorDim(part, config.intermediate_size, parallel=True)]
-            )
-
         parts = ["gate", "up"] if config.gated else ["up"]
-        input_dim = ConcatenatedTensorDim("gate_up", [per_expert(part) for part in parts])
+
+        def projection_dims(experts: TensorDim, split_intermediate: bool) -> dict[str, tuple]:
+            """(weight dims, bias dims) of gate_up and down."""
+
+            def per_expert(part: str) -> CompositeTensorDim:
+                intermediate = TensorDim(part, config.intermediate_size, parallel=split_intermediate)
+                return CompositeTensorDim(f"expert_{part}", [experts, intermediate])
+
+            gate_up = ConcatenatedTensorDim("gate_up", [per_expert(part) for part in parts])
+            return {
+                "gate_up": ((gate_up, hidden_dim), (gate_up,)),
+                "down": (
+                    (per_expert("intermediate"), hidden_dim),
+                    (CompositeTensorDim("expert_hidden", [experts, hidden_dim]),),
+                ),
+            }
+
+        # With expert parallelism, the tensors hold this rank's experts, split over the data group out of all.
+        local_dims = projection_dims(TensorDim("experts", self._local_experts), split_intermediate=True)
+        split_dims = (
+            None
+            if self._data_group is None
+            else projection_dims(TensorDim("experts", config.experts, parallel=True), split_intermediate=False)
+        )
         expert_options = {
             "initialization": initialization,
             "default_bias": config.add_linear_biases,
             "lr_scale": lr_scale,
         }
-        self.gate_up = ExpertProjection(
-            f"{name}.gate_up",
-            [getattr(config, part) for part in parts],
-            (input_dim, hidden_dim),
-            (input_dim,),
-            distributed,
-            **expert_options,
-        )
-        self.down = ExpertProjection(
-            f"{name}.down",
-            [config.down],
-            (per_expert("intermediate"), hidden_dim),
-            (CompositeTensorDim("expert_hidden", [experts, hidden_dim]),),
-            distributed,
-            **expert_options,
-        )
+        for projection, configs in (("gate_up", [getattr(config, part) for part in parts]), ("down", [config.down])):
+            weight_dims, bias_dims = local_dims[projection]
+            module = ExpertProjection(
+                f"{name}.{projection}",
+                configs,
+                weight_dims,
+                bias_dims,
+                distributed,
+                data_parallel_dims=None if split_dims is None else split_dims[projection],
+                **expert_options,
+            )
+            setattr(self, projection, module)
 
         if config.shared_experts:
             # All the shared experts are one MLP of their summed width: the sum of their outputs.
@@ -211,22 +265,49 @@ class MoEMLP(MLP):
         tokens = order // top_k
         counts = torch.bincount(flat_experts, minlength=self.config.experts)
         routed = copy_to_tensor_region(hidden, group)[tokens]
-        if self.uses_grouped_mm(routed):
-            outputs = self._grouped_expert_products(routed, counts, flat_experts[order])
+        if self._data_group is not None:
+            outputs = self._exchanged_expert_products(routed, counts)
         else:
-            outputs = self._looped_expert_products(routed, counts.tolist())
+            outputs = self._expert_products(routed, counts, flat_experts[order])
         outputs = outputs * copy_to_tensor_region(scores, group).flatten()[order, None]
         combined = reduce_from_tensor_region(hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs), group)
-        if self.down.bias is not None:
+        if self.down.bias is not None and self._data_group is None:
             # Each expert's bias weighted by the token's score for it; replicated, so added after the reduction.
             weights = scores.new_zeros(len(hidden), self.config.experts).scatter(1, selected, scores)
             combined = combined + weights @ self.down.bias.to(hidden.dtype).view(self.config.experts, -1)
         return combined
 
+    def _expert_products(
+        self, routed: torch.Tensor, counts: torch.Tensor, sorted_experts: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's experts over `routed`, sorted by (local) expert: `counts` rows each."""
+        if self.uses_grouped_mm(routed):
+            return self._grouped_expert_products(routed, counts, sorted_experts)
+        return self._looped_expert_products(routed, counts.tolist())
+
+    def _exchanged_expert_products(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: each of `routed` (sorted by expert, `counts` per global expert) goes to the rank
+        holding its expert and its output (down bias included) comes back, in the same order."""
+        group, local = self._data_group, self._local_experts
+        sent = counts.view(group.size(), local)
+        received = torch.empty_like(sent)  # received[source, expert]: rows from rank `source` for local `expert`.
+        dist.all_to_all_single(received, sent, group=group)
+        send_splits, receive_splits = sent.sum(1).tolist(), received.sum(1).tolist()
+        arrived = _AllToAll.apply(routed, receive_splits, send_splits, group)
+        # Arrived source-major; the products need the rows expert-major (a stable sort keeps the sources' order).
+        arrived_experts = torch.arange(local, device=counts.device).repeat(group.size())
+        arrived_experts = arrived_experts.repeat_interleave(received.flatten())
+        order = arrived_experts.argsort(stable=True)
+        outputs = self._expert_products(arrived[order], received.sum(0), arrived_experts[order])
+        if self.down.bias is not None:
+            outputs = outputs + self.down.bias.to(outputs.dtype).view(local, -1)[arrived_experts[order]]
+        returned = torch.empty_like(outputs).index_copy(0, order, outputs)
+        return _AllToAll.apply(returned, send_splits, receive_splits, group)
+
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """gate_up [part, expert, intermediate, hidden], its bias [part, expert, intermediate] or None, and
         down [expert, intermediate, hidden]: views of this rank's shards, in the compute dtype."""
-        experts, intermediate = self.config.experts, self._local_intermediate
+        experts, intermediate = self._local_experts, self._local_intermediate
         parts = 2 if self.config.gated else 1
         gate_up = self.gate_up.weight.to(dtype).view(parts, experts, intermediate, -1)
         gate_up_bias = None if self.gate_up.bias is None else self.gate_up.bias.to(dtype).view(parts, experts, -1)

@@ -8,7 +8,8 @@ from blockzoo_moe.config import MoEMLPConfig
 def plugin_info() -> PluginInfo:
     return PluginInfo(
         capabilities=tuple(sorted(MoEMLPConfig.capabilities)),
-        description="the mixture-of-experts MLP (dropless top-k routing, shared experts, tensor-parallel experts)",
+        description="the mixture-of-experts MLP (dropless top-k routing, shared experts, tensor- and expert-parallel "
+        "experts)",
     )
 
 
