@@ -32,6 +32,7 @@ from blockzoo.layers.config import (
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     ZEROS,
+    Activation,
     BiasConfig,
     FillInitializationConfig,
     InitializationConfig,
@@ -43,12 +44,14 @@ from blockzoo.layers.config import (
     ParameterConfig,
     ResolvedParameter,
     UniformInitializationConfig,
+    default_activation,
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
 from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
 
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
+    "ACTIVATIONS": "blockzoo.layers.activations",
     "IGNORE_INDEX": "blockzoo.layers.base",
     "Batch": "blockzoo.layers.base",
     "Layer": "blockzoo.layers.base",
@@ -71,6 +74,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "Activation",
+    "default_activation",
     "ALL_CAPABILITIES",
     "GENERATION_CACHE",
     "ONES",

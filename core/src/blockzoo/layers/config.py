@@ -9,7 +9,7 @@ Torch-free: the layers that use these live beside this module.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -148,6 +148,16 @@ class LayerNormalizationConfig(RMSNormalizationConfig):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Mixer and MLP kinds: plugins provide the concrete types.
+
+# Activations of MLPs (implemented in `blockzoo.layers.activations`); gelu is the exact, erf-based one.
+Activation = Literal["silu", "gelu", "relu", "squared_relu", "identity"]
+
+
+def default_activation(config: Any) -> str:
+    """silu for a gated MLP, else gelu. Use as `attrs.Factory(default_activation, takes_self=True)`: derived, so
+    it follows `gated` when an update changes it (unless the activation was given)."""
+    return "silu" if config.gated else "gelu"
+
 
 # What a layer can do, declared by its config class; a run that needs more is refused before it starts.
 TENSOR_PARALLEL = "tensor_parallel"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import attrs
 
@@ -11,20 +11,15 @@ from blockzoo.api import (
     SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
+    Activation,
     LinearConfig,
     MLPConfig,
     at_least,
     check,
     configclass,
+    default_activation,
     field,
 )
-
-Activation = Literal["silu", "gelu", "relu", "squared_relu", "identity"]
-
-
-def _default_activation(config: DenseMLPConfig) -> str:
-    # Derived, so it follows `gated` when an update changes it (unless the activation was given).
-    return "silu" if config.gated else "gelu"
 
 
 @configclass
@@ -42,7 +37,7 @@ class DenseMLPConfig(MLPConfig):
     intermediate_size: int = field(4096, doc="Width of the hidden layer.", validator=at_least(1))
     gated: bool = field(False, doc="Multiply the activation by a second (gate) projection (SwiGLU, GeGLU).")
     activation: Activation = field(
-        attrs.Factory(_default_activation, takes_self=True),
+        attrs.Factory(default_activation, takes_self=True),
         doc="silu, gelu (exact, erf-based), relu, squared_relu (relu²) or identity. Default: silu if gated, else gelu.",
     )
     gate: LinearConfig = field(

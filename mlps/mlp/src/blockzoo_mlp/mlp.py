@@ -12,23 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from blockzoo.api import MLP, Batch, ConcatenatedTensorDim, Distributed, Linear, NormalInitializationConfig, TensorDim
+from blockzoo.api import (
+    ACTIVATIONS,
+    MLP,
+    Batch,
+    ConcatenatedTensorDim,
+    Distributed,
+    Linear,
+    NormalInitializationConfig,
+    TensorDim,
+)
 from blockzoo_mlp.config import DenseMLPConfig
-
-
-def _squared_relu(input: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(input))
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "squared_relu": _squared_relu,
-    "identity": lambda input: input,
-}
 
 
 class DenseMLP(MLP):

@@ -9,24 +9,20 @@ import attrs
 from blockzoo.api import (
     GENERATION_CACHE,
     TENSOR_PARALLEL,
+    Activation,
     LinearConfig,
     MLPConfig,
     at_least,
     check,
     configclass,
+    default_activation,
     field,
 )
 
-Activation = Literal["silu", "gelu", "relu", "squared_relu", "identity"]
 Routing = Literal["softmax_top_k", "top_k_softmax"]
 
 # Experts split between the data-parallel ranks, tokens exchanged with all-to-all (`expert_parallel: true`).
 EXPERT_PARALLEL = "expert_parallel"
-
-
-def _default_activation(config: MoEMLPConfig) -> str:
-    # Derived, so it follows `gated` when an update changes it (unless the activation was given).
-    return "silu" if config.gated else "gelu"
 
 
 @configclass
@@ -59,7 +55,7 @@ class MoEMLPConfig(MLPConfig):
     intermediate_size: int = field(4096, doc="Width of the hidden layer of each expert.", validator=at_least(1))
     gated: bool = field(True, doc="Experts multiply the activation by a second (gate) projection (SwiGLU).")
     activation: Activation = field(
-        attrs.Factory(_default_activation, takes_self=True),
+        attrs.Factory(default_activation, takes_self=True),
         doc="silu, gelu (exact, erf-based), relu, squared_relu (relu²) or identity. Default: silu if gated, else gelu.",
     )
     router: LinearConfig = field(

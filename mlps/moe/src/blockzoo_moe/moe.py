@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.api import (
+    ACTIVATIONS,
     MLP,
     Batch,
     CompositeTensorDim,
@@ -43,19 +44,6 @@ from blockzoo.api import (
     reduce_from_tensor_region,
 )
 from blockzoo_moe.config import MoEMLPConfig
-
-
-def _squared_relu(input: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(input))
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "squared_relu": _squared_relu,
-    "identity": lambda input: input,
-}
 
 
 def _exchange(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
