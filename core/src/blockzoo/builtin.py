@@ -6,6 +6,7 @@ from blockzoo import data
 from blockzoo.layers import config as layers
 from blockzoo.model import config as model
 from blockzoo.plugins import PluginInfo, hookimpl
+from blockzoo.ssm import config as ssm
 from blockzoo.training import config as training
 
 
@@ -36,6 +37,9 @@ def register_components(register) -> None:
     register("normal", layers.NormalInitializationConfig, "blockzoo.layers.initialization:initialize_normal")
     register("uniform", layers.UniformInitializationConfig, "blockzoo.layers.initialization:initialize_uniform")
     register("fill", layers.FillInitializationConfig, "blockzoo.layers.initialization:initialize_fill")
+    register("dt_bias", ssm.DtBiasInitializationConfig, "blockzoo.ssm.initialization:initialize_dt_bias")
+    register("a_log_range", ssm.ALogRangeInitializationConfig, "blockzoo.ssm.initialization:initialize_a_log_range")
+    register("a_log_state", ssm.ALogStateInitializationConfig, "blockzoo.ssm.initialization:initialize_a_log_state")
     register("none", layers.NoNormalizationConfig, "blockzoo.layers.normalization:Identity")
     register("rms_norm", layers.RMSNormalizationConfig, "blockzoo.layers.normalization:RMSNorm")
     register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")

@@ -1,0 +1,52 @@
+"""Numerics shared by the state-space mixers (documented in docs/ssm.md): one copy, used by every Mamba plugin.
+
+    from blockzoo.ssm import causal_conv1d, gated_rms_norm, ssd_scan, selective_scan
+
+All work on packed documents (`blockzoo.api.Batch`), never carrying state across a document boundary, and have a
+torch path that runs anywhere; on CUDA the scans take GPU kernels (mamba_ssm's Triton SSD kernel when it is
+installed, the project's own Triton selective scan). `import_mamba_ssm` / `mamba_ssm_available` are the one place
+that imports mamba_ssm.
+
+The configs the mixers share (the initialization types `dt_bias`, `a_log_range`, `a_log_state`, and
+`ConvolutionConfig`, whose layer is `CausalConvolution`) are importable from here without torch; the functions
+load torch on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from blockzoo.ssm.config import (
+    ALogRangeInitializationConfig,
+    ALogStateInitializationConfig,
+    ConvolutionConfig,
+    DtBiasInitializationConfig,
+)
+
+# name -> module that defines it; imported on first access (these need torch).
+_LAZY = {
+    "causal_conv1d": "blockzoo.ssm.conv",
+    "CausalConvolution": "blockzoo.ssm.layers",
+    "gated_rms_norm": "blockzoo.ssm.norm",
+    "ssd_scan": "blockzoo.ssm.scan",
+    "selective_scan": "blockzoo.ssm.scan",
+    "import_mamba_ssm": "blockzoo.ssm.kernels",
+    "mamba_ssm_available": "blockzoo.ssm.kernels",
+}
+
+__all__ = [
+    "ALogRangeInitializationConfig",
+    "ALogStateInitializationConfig",
+    "ConvolutionConfig",
+    "DtBiasInitializationConfig",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'blockzoo.ssm' has no attribute {name!r}")

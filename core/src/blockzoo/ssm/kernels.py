@@ -1,0 +1,156 @@
+"""The one place that imports mamba_ssm, and the call into its Triton SSD kernel (`mamba_chunk_scan_combined`).
+
+mamba_ssm 2.3.2's package `__init__` imports its compiled Mamba 1 scan `selective_scan_cuda` unconditionally, so a
+Triton-only install (built with MAMBA_SKIP_CUDA_BUILD=TRUE, as on machines where no CUDA extension can be built)
+does not import. `import_mamba_ssm` then puts an empty stand-in for that module in `sys.modules` for the duration
+of the import only; a real `selective_scan_cuda` is always used when it is there, and nothing is left behind when
+mamba_ssm is absent.
+
+Autotuning: mamba_ssm's SSD kernels carry 4 to 11 Triton configs each; benchmarking them all made the first call
+take 76 s on an H200. Unless `BLOCKZOO_SSD_AUTOTUNE=full`, each kernel keeps only the configs of middle tile cost
+(`small`, the default: 2 per kernel; a number N: N per kernel). The change applies to the whole process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import types
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+STAND_IN = "selective_scan_cuda"
+AUTOTUNE_VARIABLE = "BLOCKZOO_SSD_AUTOTUNE"
+SMALL_AUTOTUNE = 2  # configs kept per kernel by default
+# The mamba_ssm modules that define the SSD kernels `mamba_chunk_scan_combined` runs (forward and backward).
+SSD_MODULES = ("ssd_bmm", "ssd_chunk_state", "ssd_state_passing", "ssd_chunk_scan", "ssd_combined")
+
+
+def import_mamba_ssm() -> types.ModuleType:
+    """Import mamba_ssm (ImportError, with the reason, when it is not installed or does not import)."""
+    if "mamba_ssm" in sys.modules:
+        return sys.modules["mamba_ssm"]
+    if importlib.util.find_spec("mamba_ssm") is None:
+        raise ImportError("mamba_ssm is not installed")
+    stand_in = None
+    try:
+        importlib.import_module(STAND_IN)
+    except ModuleNotFoundError as error:
+        if error.name != STAND_IN:  # the extension exists but something it needs is missing: do not hide that
+            raise
+        stand_in = sys.modules[STAND_IN] = _stand_in()
+    try:
+        return importlib.import_module("mamba_ssm")
+    finally:
+        if stand_in is not None and sys.modules.get(STAND_IN) is stand_in:
+            del sys.modules[STAND_IN]
+
+
+@functools.cache
+def mamba_ssm_available() -> bool:
+    """Whether mamba_ssm imports (through `import_mamba_ssm`), checked once per process. An install that does not
+    import is reported with a warning that says why; the torch paths are used then."""
+    try:
+        import_mamba_ssm()
+    except ImportError as error:
+        if importlib.util.find_spec("mamba_ssm") is not None:
+            warnings.warn(
+                f"mamba_ssm is installed but does not import ({type(error).__name__}: {error}); "
+                "blockzoo.ssm uses its torch paths",
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    document_index: torch.Tensor,
+    *,
+    chunk_size: int,
+    scale_input: bool,
+) -> torch.Tensor:
+    """`ssd_scan` through mamba_ssm's `mamba_chunk_scan_combined`, the packed documents told apart by `seq_idx`.
+
+    The kernel always scales the input by dt; without `scale_input` it is given x / dt instead.
+    """
+    dt = dt.float()  # the kernel takes dt to fp32 anyway; its gradient then adds up in fp32 too
+    if not scale_input:
+        x = (x.float() / dt.unsqueeze(-1)).to(x.dtype)
+    seq_idx = document_index.to(device=x.device, dtype=torch.int32)[None]
+    output = _chunk_scan_combined()(x[None], dt[None], A.float(), B[None], C[None], chunk_size, seq_idx=seq_idx)
+    return output[0]
+
+
+@functools.cache
+def _chunk_scan_combined():
+    """mamba_ssm's `mamba_chunk_scan_combined`, its kernels' autotuning bounded as BLOCKZOO_SSD_AUTOTUNE says."""
+    import_mamba_ssm()
+    modules = [importlib.import_module(f"mamba_ssm.ops.triton.{name}") for name in SSD_MODULES]
+    limit = autotune_limit()
+    if limit is not None:
+        restrict_autotuning(modules, limit)
+    return modules[-1].mamba_chunk_scan_combined
+
+
+def autotune_limit(environ: dict[str, str] | None = None) -> int | None:
+    """Configs kept per SSD kernel from BLOCKZOO_SSD_AUTOTUNE: None (all) for `full`, else a positive number."""
+    value = (os.environ if environ is None else environ).get(AUTOTUNE_VARIABLE, "small").strip().lower()
+    if value == "full":
+        return None
+    if value == "small":
+        return SMALL_AUTOTUNE
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"{AUTOTUNE_VARIABLE}={value!r}: expected 'small' (default), 'full' or a number of configs >= 1")
+
+
+def restrict_autotuning(modules: Iterable[types.ModuleType], limit: int) -> None:
+    """Keep at most `limit` autotune configs in every Triton-autotuned kernel the modules define."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    for module in modules:
+        for kernel in vars(module).values():
+            # An autotuned kernel may sit under other wrappers (heuristics); each keeps the next in `fn`.
+            while isinstance(kernel, KernelInterface) and not isinstance(kernel, Autotuner):
+                kernel = getattr(kernel, "fn", None)
+            if isinstance(kernel, Autotuner) and len(kernel.configs) > limit:
+                kernel.configs = middle_configs(kernel.configs, limit)
+
+
+def middle_configs(configs: Sequence[Any], limit: int) -> list[Any]:
+    """The `limit` configs in the middle of the list sorted by tile cost (product of the BLOCK_SIZE_* values times
+    the pipeline stages): the largest tiles overflow shared memory or waste work on small dims, the smallest leave
+    the GPU idle. The configs themselves are kept (with their pre-hooks, which some kernels need)."""
+    ordered = sorted(configs, key=_tile_cost)
+    start = max(0, (len(ordered) - limit) // 2)
+    return ordered[start : start + limit]
+
+
+def _tile_cost(config: Any) -> int:
+    cost = getattr(config, "num_stages", 1) or 1
+    for key, value in config.kwargs.items():
+        if key.startswith("BLOCK_SIZE"):
+            cost *= value
+    return cost
+
+
+def _stand_in() -> types.ModuleType:
+    module = types.ModuleType(STAND_IN, "blockzoo's empty stand-in: mamba_ssm was installed without its CUDA scan.")
+
+    def missing(name: str) -> Any:
+        raise AttributeError(f"{STAND_IN}.{name}: mamba_ssm's compiled Mamba 1 scan is not installed")
+
+    module.__getattr__ = missing
+    return module

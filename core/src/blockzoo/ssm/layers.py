@@ -1,0 +1,58 @@
+"""The layer the Mamba mixers share: the causal depthwise convolution with its parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import Batch
+from blockzoo.layers.config import InitializationConfig, UniformInitializationConfig
+from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.parameter import create_parameter
+from blockzoo.ssm.config import ConvolutionConfig
+from blockzoo.ssm.conv import causal_conv1d
+
+
+class CausalConvolution(nn.Module):
+    """`causal_conv1d` over `channels_dim` with parameters `weight` [channels, kernel_size] and `bias` [channels].
+
+    `bias_initialization`: the mixer's default for the bias (zeros in HF's Mamba models, torch's Conv1d uniform in
+    the discrete Mamba 2 reference); the weight defaults to torch's Conv1d uniform(±kernel_size^-0.5).
+    """
+
+    def __init__(
+        self,
+        config: ConvolutionConfig,
+        *,
+        name: str,
+        channels_dim: TensorDim,
+        distributed: Distributed,
+        lr_scale: float,
+        bias_initialization: InitializationConfig,
+    ):
+        super().__init__()
+        self.kernel_size = config.kernel_size
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        bound = config.kernel_size**-0.5  # torch's Conv1d default (kaiming uniform, a=√5) for a depthwise filter.
+        weight = config.weight.resolve(
+            initialization=UniformInitializationConfig(low=-bound, high=bound), lr_scale=lr_scale
+        )
+        kernel_dim = TensorDim("kernel", config.kernel_size)
+        self.weight = create_parameter(f"{name}.weight", (channels_dim, kernel_dim), weight, distributed)
+        self.bias = None
+        if config.has_bias:
+            bias = config.bias.resolve(initialization=bias_initialization, lr_scale=lr_scale, weight_decay=False)
+            self.bias = create_parameter(f"{name}.bias", (channels_dim,), bias, distributed)
+
+    def forward(
+        self, x: torch.Tensor, batch: Batch, *, activation: str | None = None, state: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # causal_conv1d computes in fp32 whatever the activations' dtype: the fp32 master weights go in as they are.
+        return causal_conv1d(x, self.weight, self.bias, batch, activation=activation, state=state)
+
+    def flops(self, tokens: int) -> tuple[int, int]:
+        """(forward, backward): one multiply-add per tap, channel and token; the backward computes the input's
+        gradient and, unless frozen, the filters'."""
+        forward = 2 * tokens * self.weight.meta.global_shape[0] * self.kernel_size
+        return forward, forward * (2 if self.weight.requires_grad else 1)

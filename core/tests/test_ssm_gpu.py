@@ -1,0 +1,134 @@
+"""blockzoo.ssm on CUDA: `ssd_scan` through mamba_ssm's Triton kernel against the torch path (run on the CPU in
+float64), the adapter finding the Triton-only mamba_ssm, and the time of the first call (autotuning included).
+Needs a GPU and mamba_ssm (built with MAMBA_SKIP_CUDA_BUILD=TRUE); skipped without CUDA, fails without mamba_ssm.
+See the times with `pytest -s` (they are printed either way).
+
+Tolerances are relative errors ‖value − reference‖ / ‖reference‖: the kernel multiplies fp32 in TF32 (about 1e-3);
+bf16 keeps 8 bits of mantissa.
+"""
+
+import importlib
+import importlib.util
+import sys
+import time
+
+import pytest
+import torch
+
+from blockzoo.layers.base import Batch
+from blockzoo.ssm import import_mamba_ssm, kernels, mamba_ssm_available, scan, ssd_scan
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [37, 1, 300, 128, 90]  # Not multiples of the chunk size, and a one-token document.
+CHUNK_SIZE = 64
+OUTPUT_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+GRADIENT_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _inputs(lengths, *, heads=4, head_size=32, groups=2, state_size=16, dt_range=(0.01, 0.2), seed=0):
+    generator, tokens = torch.Generator().manual_seed(seed), sum(lengths)
+    return {
+        "x": torch.randn(tokens, heads, head_size, generator=generator),
+        "dt": torch.rand(tokens, heads, generator=generator) * (dt_range[1] - dt_range[0]) + dt_range[0],
+        "A": -(torch.rand(heads, generator=generator) * 7 + 1),
+        "B": torch.randn(tokens, groups, state_size, generator=generator),
+        "C": torch.randn(tokens, groups, state_size, generator=generator),
+    }
+
+
+def _forward_backward(inputs, lengths, *, device, dtype, scale_input):
+    leaves = {
+        name: tensor.to(device=device, dtype=torch.float32 if name == "A" else dtype).requires_grad_()
+        for name, tensor in inputs.items()
+    }
+    y = ssd_scan(*leaves.values(), Batch(lengths, device=device), chunk_size=CHUNK_SIZE, scale_input=scale_input)
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    (y.float() * weights).sum().backward()
+    return y, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def _relative_error(value, reference):
+    reference = reference.detach().double().cpu()
+    return float((value.detach().double().cpu() - reference).norm() / reference.norm())
+
+
+def test_the_adapter_finds_the_triton_only_mamba_ssm():
+    assert mamba_ssm_available()
+    import_mamba_ssm()
+    interface = importlib.import_module("mamba_ssm.ops.selective_scan_interface")
+    if importlib.util.find_spec(kernels.STAND_IN) is None:  # Triton-only build: the stand-in served the import
+        assert interface.selective_scan_cuda.__name__ == kernels.STAND_IN and kernels.STAND_IN not in sys.modules
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ssd_scan_kernel_matches_the_torch_path(dtype, scale_input, capsys):
+    # Time steps as each use has them: Mamba 2's dt in [dt_min, dt_max]; discrete Mamba 2's softplus(A_log) near 0.7
+    # (its input is not scaled: the kernel gets x / dt, whose dt gradient is a difference of two large terms).
+    inputs = _inputs(LENGTHS, dt_range=(0.01, 0.2) if scale_input else (0.2, 1.2))
+    # The reference starts from the inputs the kernel sees (A stays fp32).
+    inputs = {name: tensor if name == "A" else tensor.to(dtype).float() for name, tensor in inputs.items()}
+    expected, expected_grads = _forward_backward(
+        inputs, LENGTHS, device="cpu", dtype=torch.float64, scale_input=scale_input
+    )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    y, grads = _forward_backward(inputs, LENGTHS, device="cuda", dtype=dtype, scale_input=scale_input)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    with capsys.disabled():  # the first call of each dtype includes compiling and autotuning the kernels
+        print(f"\nssd_scan kernel {dtype} scale_input={scale_input}: forward+backward {seconds:.2f} s")
+    assert y.dtype == dtype and y.is_cuda
+    assert _relative_error(y, expected) < OUTPUT_TOLERANCE[dtype]
+    for name, grad in grads.items():
+        assert _relative_error(grad, expected_grads[name]) < GRADIENT_TOLERANCE[dtype], name
+
+
+def test_autotuning_is_bounded_by_default():
+    from triton.runtime.autotuner import Autotuner
+
+    if kernels.autotune_limit() is None:
+        pytest.skip("BLOCKZOO_SSD_AUTOTUNE=full keeps every config")
+    kernels._chunk_scan_combined()
+    for name in kernels.SSD_MODULES:
+        module = importlib.import_module(f"mamba_ssm.ops.triton.{name}")
+        for kernel in vars(module).values():
+            if isinstance(kernel, Autotuner):
+                assert len(kernel.configs) <= kernels.autotune_limit(), kernel.base_fn.__name__
+
+
+def test_generation_state_on_cuda_takes_the_torch_path():
+    lengths = [5, 9]
+    inputs = _inputs(lengths)
+    initial = torch.randn(len(lengths), 4, 32, 16, generator=torch.Generator().manual_seed(2))
+    states = {device: initial.clone().to(device) for device in ("cpu", "cuda")}
+    outputs = {
+        device: ssd_scan(
+            *(t.to(device) for t in inputs.values()),
+            Batch(lengths, device=device, past_lengths=[3, 1]),
+            chunk_size=4,
+            state=states[device],
+        )
+        for device in ("cpu", "cuda")
+    }
+    assert _relative_error(outputs["cuda"], outputs["cpu"]) < 1e-4
+    assert _relative_error(states["cuda"], states["cpu"]) < 1e-4
+
+
+def test_speed_at_a_training_shape(capsys, monkeypatch):
+    # 2 documents of 4096 tokens, 32 heads of 64, state 128, chunk 256, bf16: the kernel, then the torch path.
+    lengths = [4096, 4096]
+    inputs = _inputs(lengths, heads=32, head_size=64, groups=1, state_size=128)
+    times = {}
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(scan, "mamba_ssm_available", lambda: False)
+        for _ in range(3):  # the last of three calls
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            _forward_backward(inputs, lengths, device="cuda", dtype=torch.bfloat16, scale_input=True)
+            torch.cuda.synchronize()
+            times[path] = f"{(time.perf_counter() - start) * 1000:.1f} ms"
+    with capsys.disabled():
+        print(f"\nssd_scan 2x4096 tokens, 32 heads x 64, state 128, bf16, forward+backward: {times}")
