@@ -1,7 +1,9 @@
 """The maintainers' matrix: `nox -s tests` runs `tests(all)` (every distribution together) and
-`tests(<distribution>)` (each alone with the core); `nox -s lint`. Sessions install from the repository's
-paths, never from an index."""
+`tests(<distribution>)` (each alone with the core); `nox -s lint`; `nox -s template` bakes the plugin template and
+runs the generated project's tests. Sessions install from the repository's paths, never from an index."""
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import nox
@@ -14,7 +16,7 @@ DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/e
 
 nox.options.sessions = ["lint", "tests"]
 # The distributions of the demo, installed together (examples/moe.yaml also runs there).
-DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mlps/mlp"), Path("mlps/moe")]
+DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mixers/mamba_2"), Path("mlps/mlp"), Path("mlps/moe")]
 nox.options.reuse_venv = "yes"
 
 
@@ -48,8 +50,12 @@ def tests(session: nox.Session, distribution: str) -> None:
         folders = list(distributions().values())
         paths = [str(folder / "tests") for folder in [*folders, Path()] if (folder / "tests").is_dir()]
     else:
-        folders = list(dict.fromkeys([Path("core"), distributions()[distribution]]))
-        paths = [str(distributions()[distribution] / "tests")]
+        folder = distributions()[distribution]
+        # A distribution whose tests need other local distributions (the converters need the layers they convert)
+        # names their folders in its pyproject.toml: [tool.blockzoo] test-with = ["mixers/attention", ...].
+        test_with = nox.project.load_toml(folder / "pyproject.toml").get("tool", {}).get("blockzoo", {})
+        folders = list(dict.fromkeys([Path("core"), *map(Path, test_with.get("test-with", [])), folder]))
+        paths = [str(folder / "tests")]
     install(session, *folders)
     session.run("pytest", "-n", "auto", *paths, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
 
@@ -57,13 +63,36 @@ def tests(session: nox.Session, distribution: str) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
-    reload its checkpoint and continue a prompt. `nox -s demo -- moe` does the same with examples/moe.yaml."""
+    reload its checkpoint and continue a prompt. `nox -s demo -- moe` (or `-- hybrid`) does the same with
+    examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2)."""
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
     output = Path(session.create_tmp()) / example
     session.run("rm", "-rf", str(output), external=True)
     session.run("blockzoo", "train", f"examples/{example}.yaml", f"training.output_dir={output}")
     session.run("blockzoo", "generate", str(output), "--prompt", "Once upon a time", "--max-new-tokens", "300")
+
+
+@nox.session
+def template(session: nox.Session) -> None:
+    """Bake the plugin template (plugins/template) once per kind into a temporary directory outside the repository,
+    install each project with the core into this session's environment, and run its tests: a generated project passes
+    them right away."""
+    install(session, Path("core"), extra=None)
+    session.install("copier>=9")
+    root = Path(tempfile.mkdtemp(prefix="blockzoo-template-"))
+    try:
+        for kind in ("mixer", "mlp"):
+            project = root / kind
+            answers = ["--data", f"plugin_name=template_{kind}", "--data", f"kind={kind}"]
+            session.run(
+                "copier", "copy", "--defaults", "--quiet", *answers, str(ROOT / "plugins" / "template"), str(project)
+            )
+            session.install("-e", f"{project}[test]")
+            with session.chdir(project):
+                session.run("pytest", "-n", "auto", "tests", *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
+    finally:
+        shutil.rmtree(root)
 
 
 @nox.session

@@ -1,0 +1,174 @@
+"""The discrete Mamba 2 mixer: fused in_proj, causal convolution over x‖B‖C, the SSD scan with A = -1 and an
+unscaled input, the D skip, the z gate and out_proj. The numerics are `blockzoo.ssm`'s.
+
+Tensor-parallel layout: the B/C groups are split between ranks, and with them their heads (head h uses group
+h // (heads / groups), so a rank's heads are those of its groups). in_proj is column-parallel, each of its five
+components split on its own, so a rank's rows are [x_r, B_r, C_r, z_r, dt_r] and its convolution channels
+[x_r, B_r, C_r]; z_bias and d (the skip D) are split by head; out_proj is row-parallel. Under
+sequence-tensor-parallel the two projections gather the token shards and scatter the output, so the convolution and
+the scan see every token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockzoo.api import (
+    ONES,
+    ZEROS,
+    Batch,
+    CompositeTensorDim,
+    ConcatenatedTensorDim,
+    Distributed,
+    Linear,
+    Mixer,
+    NormalInitializationConfig,
+    TensorDim,
+    UniformInitializationConfig,
+    create_parameter,
+)
+from blockzoo.ssm import CausalConvolution, ssd_scan
+from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+
+
+class DiscreteMamba2State:
+    """Per-sequence generation state (inference only, detached): the convolution's last kernel_size - 1 inputs
+    `conv` [sequences, channels, kernel_size - 1] and the SSM state `ssm` (fp32) [sequences, heads, head_size,
+    state_size], both of this rank's channels and heads."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor):
+        self.conv = conv
+        self.ssm = ssm
+
+    def check(self, batch: Batch) -> None:
+        if batch.past_lengths is None:
+            raise ValueError("discrete_mamba_2 with a generation state needs `batch.past_lengths`")
+        if batch.num_documents != len(self.ssm):
+            raise ValueError(f"the batch has {batch.num_documents} sequences but the state holds {len(self.ssm)}")
+
+
+class DiscreteMamba2(Mixer):
+    def __init__(
+        self,
+        config: DiscreteMamba2Config,
+        *,
+        name: str,
+        hidden_dim: TensorDim,
+        distributed: Distributed,
+        lr_scale: float,
+    ):
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
+        groups, tensor_size = config.resolved_groups, distributed.tensor_size
+        if groups % tensor_size:
+            raise ValueError(f"discrete_mamba_2 {name!r}: tensor_parallel={tensor_size} must divide groups ({groups})")
+        group_dim = TensorDim("groups", groups, parallel=True)
+        group_heads_dim = TensorDim("group_heads", config.heads // groups)
+        head_size_dim = TensorDim("head_size", config.head_size)
+        state_dim = TensorDim("state", config.state_size)
+
+        def inner(role: str) -> CompositeTensorDim:
+            return CompositeTensorDim(role, (group_dim, group_heads_dim, head_size_dim))
+
+        def group_state(role: str) -> CompositeTensorDim:
+            return CompositeTensorDim(role, (group_dim, state_dim))
+
+        heads_dim = CompositeTensorDim("heads", (group_dim, group_heads_dim))
+        # The reference's row order; x‖B‖C lead, so the convolution's input is one slice of in_proj's output.
+        in_proj_dim = ConcatenatedTensorDim(
+            "in_proj", (inner("x"), group_state("b"), group_state("c"), inner("z"), heads_dim)
+        )
+        convolution_dim = ConcatenatedTensorDim("convolution", in_proj_dim.dims[:3])
+        self._in_proj_slices = in_proj_dim.component_slices(tensor_size)
+        self._local_heads = heads_dim.local_size(tensor_size)
+        self._local_groups = group_dim.local_size(tensor_size)
+
+        linear = {
+            "distributed": distributed,
+            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
+            "default_bias": config.add_linear_biases,
+            "lr_scale": lr_scale,
+        }
+        in_proj_configs = [getattr(config, component) for component in config.IN_PROJ_COMPONENTS]
+        self.in_proj = Linear(f"{name}.in_proj", in_proj_configs, hidden_dim, in_proj_dim, **linear)
+        # The reference's conv bias keeps torch's Conv1d initialization, like its weight.
+        bound = config.convolution.kernel_size**-0.5
+        self.convolution = CausalConvolution(
+            config.convolution,
+            name=f"{name}.convolution",
+            channels_dim=convolution_dim,
+            distributed=distributed,
+            lr_scale=lr_scale,
+            bias_initialization=UniformInitializationConfig(low=-bound, high=bound),
+        )
+        # The reference adds z_bias only when in_proj has no bias (which then plays its part).
+        self.z_bias = (
+            None
+            if config.in_proj_has_bias
+            else create_parameter(
+                f"{name}.z_bias",
+                (inner("z_bias"),),
+                config.z_bias.resolve(initialization=ZEROS, lr_scale=lr_scale, weight_decay=False),
+                distributed,
+            )
+        )
+        self.d = create_parameter(
+            f"{name}.d",
+            (heads_dim,),
+            config.d.resolve(initialization=ONES, lr_scale=lr_scale, weight_decay=False),
+            distributed,
+        )
+        self.out_proj = Linear(f"{name}.out_proj", config.out_proj, inner("inner"), hidden_dim, **linear)
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: DiscreteMamba2State | None = None) -> torch.Tensor:
+        if state is not None:
+            state.check(batch)
+        config = self.config
+        projected = self.in_proj(hidden)  # Every token of the batch, this rank's rows.
+        x_slice, b_slice, c_slice, z_slice, dt_slice = self._in_proj_slices
+        activation = None if config.activation == "identity" else config.activation
+        xbc = self.convolution(
+            projected[:, : c_slice.stop], batch, activation=activation, state=None if state is None else state.conv
+        )
+        tokens = len(xbc)
+        x = xbc[:, x_slice].unflatten(1, (self._local_heads, config.head_size))
+        b = xbc[:, b_slice].unflatten(1, (self._local_groups, config.state_size))
+        c = xbc[:, c_slice].unflatten(1, (self._local_groups, config.state_size))
+        dt = F.softplus(projected[:, dt_slice].float())
+        a = -torch.ones(self._local_heads, device=hidden.device)
+        y = ssd_scan(
+            x,
+            dt,
+            a,
+            b,
+            c,
+            batch,
+            chunk_size=config.chunk_size,
+            scale_input=False,
+            state=None if state is None else state.ssm,
+        )
+        y = (y + self.d.to(x.dtype)[:, None] * x).reshape(tokens, -1)
+        z = projected[:, z_slice]
+        if self.z_bias is not None:
+            z = z + self.z_bias.to(z.dtype)
+        return self.out_proj(y * F.silu(z))
+
+    def new_state(
+        self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype
+    ) -> DiscreteMamba2State:
+        channels = self.convolution.weight.shape[0]
+        conv = torch.zeros(num_sequences, channels, self.convolution.kernel_size - 1, device=device, dtype=dtype)
+        shape = (num_sequences, self._local_heads, self.config.head_size, self.config.state_size)
+        return DiscreteMamba2State(conv, torch.zeros(shape, device=device, dtype=torch.float32))
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        tokens = batch.num_tokens
+        forward = sum(linear.forward_flops(tokens) for linear in (self.in_proj, self.out_proj))
+        backward = sum(linear.backward_flops(tokens) for linear in (self.in_proj, self.out_proj))
+        convolution_forward, convolution_backward = self.convolution.flops(tokens)
+        # The recurrence per token and head: decay and add x ⊗ B into the state (2·head_size·state_size), read it
+        # out with C (2·head_size·state_size). The chunked kernels do more; this counts the model's work.
+        # Elementwise work (softplus, D skip, gate) is not counted. The backward costs twice the forward.
+        scan = 4 * tokens * self.config.heads * self.config.head_size * self.config.state_size
+        return forward + convolution_forward + scan, backward + convolution_backward + 2 * scan

@@ -1,0 +1,34 @@
+"""blockzoo-discrete-mamba-2's hooks: the `discrete_mamba_2` mixer."""
+
+from __future__ import annotations
+
+from blockzoo.api import PluginInfo, hookimpl
+from blockzoo_discrete_mamba_2 import config
+
+
+@hookimpl
+def plugin_info() -> PluginInfo:
+    return PluginInfo(
+        capabilities=tuple(sorted(config.DiscreteMamba2Config.capabilities)),
+        description="discrete Mamba 2 (MOHAWK / Llamba / Apriel m2d) over packed documents, with a generation state",
+    )
+
+
+@hookimpl
+def register_mixers(register) -> None:
+    register("discrete_mamba_2", config.DiscreteMamba2Config, "blockzoo_discrete_mamba_2.mixer:DiscreteMamba2")
+
+
+@hookimpl
+def check_environment() -> list[str]:
+    """On CUDA without mamba_ssm the scan runs on the (much slower) torch path: say so."""
+    import torch
+
+    from blockzoo.ssm import mamba_ssm_available
+
+    if torch.cuda.is_available() and not mamba_ssm_available():
+        return [
+            "CUDA is present but mamba_ssm does not import: the SSD scan runs on the torch path "
+            "(install blockzoo-discrete-mamba-2[kernels] for its Triton kernels)"
+        ]
+    return []

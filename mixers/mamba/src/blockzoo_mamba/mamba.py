@@ -1,0 +1,256 @@
+"""The Mamba 1 mixer over packed documents: in_proj, causal convolution, time step, B and C, the selective scan
+(`blockzoo.ssm.selective_scan`), the D skip, the z gate and out_proj. Both layouts of `MambaConfig`.
+
+Tensor-parallel layout: the inner channels are split (grouped layout: whole heads of state_size channels, the x/B
+heads with the C heads they serve). in_proj and dt_proj are column-parallel, out_proj row-parallel; the
+convolution, dt_bias, A_log and D are split by channel. The standard layout's x_proj reads the split channels, so it
+is row-parallel: its output (dt, B, C) lands like the residual stream (all tokens on every rank, or this rank's
+tokens under sequence-tensor-parallel), where the dt/B/C norms act; dt then enters the tensor region through
+dt_proj, and B and C through the same entry (`copy_to_tensor_region` / `gather_tokens`). In the grouped layout dt
+comes from the hidden states through the replicated dt_in_proj, B and C from in_proj. The scan sees every token.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockzoo.api import (
+    ONES,
+    ZEROS,
+    Batch,
+    CompositeTensorDim,
+    ConcatenatedTensorDim,
+    ConfigFieldError,
+    Distributed,
+    FillInitializationConfig,
+    InitializationConfig,
+    Linear,
+    Mixer,
+    NormalInitializationConfig,
+    NormalizationConfig,
+    TensorDim,
+    UniformInitializationConfig,
+    copy_to_tensor_region,
+    create_parameter,
+    gather_tokens,
+    get_registry,
+)
+from blockzoo.ssm import ALogStateInitializationConfig, CausalConvolution, DtBiasInitializationConfig, selective_scan
+from blockzoo_mamba.config import MambaConfig
+
+
+class MambaState:
+    """One layer's generation state for each sequence: the convolution's last inputs
+    `[sequences, channels, kernel_size - 1]` and the scan's state `[sequences, inner, state]` (fp32). Detached."""
+
+    def __init__(self, convolution: torch.Tensor, ssm: torch.Tensor):
+        self.convolution = convolution
+        self.ssm = ssm
+
+
+class Mamba(Mixer):
+    def __init__(
+        self, config: MambaConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
+    ):
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
+        hidden_size, tensor_size = hidden_dim.global_size, distributed.tensor_size
+        try:
+            config.check_hidden_size(hidden_size, tensor_size)
+        except ConfigFieldError as error:
+            raise ValueError(f"mamba {name!r}: {error.field_name}: {error.message}") from None
+        inner_size = config.resolved_inner_size(hidden_size)
+        self._dt_rank = config.resolved_dt_rank(hidden_size)
+        state_size = config.state_size
+        state_dim = TensorDim("state", state_size)
+        dt_rank_dim = TensorDim("dt_rank", self._dt_rank)
+
+        if config.grouped:
+            heads_dim = TensorDim("heads", inner_size // state_size, parallel=True)
+            xb_heads_dim = TensorDim("xb_heads", config.xb_size // state_size, parallel=True)
+            self._repeats = heads_dim.global_size // xb_heads_dim.global_size
+            inner_dim = CompositeTensorDim("inner", (heads_dim, state_dim))
+            xb_dim = CompositeTensorDim("xb", (xb_heads_dim, state_dim))
+            in_proj_dims = {
+                "z": CompositeTensorDim("z", (heads_dim, state_dim)),
+                "x": CompositeTensorDim("x", (xb_heads_dim, state_dim)),
+                "b": CompositeTensorDim("b", (xb_heads_dim, state_dim)),
+                "c": CompositeTensorDim("c", (heads_dim, state_dim)),
+            }
+            convolution_dim = inner_dim if config.repeat_xb_before_convolution else xb_dim
+        else:
+            inner_dim = TensorDim("inner", inner_size, parallel=True)
+            in_proj_dims = {part: TensorDim(part, inner_size, parallel=True) for part in ("x", "z")}
+            convolution_dim = inner_dim
+        self._inner_dim, self._convolution_dim = inner_dim, convolution_dim
+        in_proj_dim = ConcatenatedTensorDim("in_proj", [in_proj_dims[part] for part in config.in_proj_components])
+        self._in_proj_slices = dict(zip(config.in_proj_components, in_proj_dim.component_slices(tensor_size)))
+
+        linear = {
+            "distributed": distributed,
+            "default_initialization": NormalInitializationConfig(std=hidden_size**-0.5),
+            "default_bias": config.add_linear_biases,
+            "lr_scale": lr_scale,
+        }
+        components = [getattr(config, component) for component in config.in_proj_components]
+        self.in_proj = Linear(f"{name}.in_proj", components, hidden_dim, in_proj_dim, **linear)
+        self.convolution = CausalConvolution(
+            config.convolution,
+            name=f"{name}.convolution",
+            channels_dim=convolution_dim,
+            distributed=distributed,
+            lr_scale=lr_scale,
+            bias_initialization=ZEROS,
+        )
+        if config.grouped:
+            self.dt_in_proj = Linear(f"{name}.dt_in_proj", config.dt_in_proj, hidden_dim, dt_rank_dim, **linear)
+        else:
+            # Row-parallel (it reads the split channels); mamba_ssm's x_proj has no bias.
+            x_proj_dim = TensorDim("x_proj", self._dt_rank + 2 * state_size)
+            self.x_proj = Linear(
+                f"{name}.x_proj", config.x_proj, inner_dim, x_proj_dim, **{**linear, "default_bias": False}
+            )
+        self.dt_proj = Linear(
+            f"{name}.dt_proj",
+            config.dt_proj,
+            dt_rank_dim,
+            inner_dim,
+            **{**linear, "default_initialization": self._dt_proj_initialization(), "default_bias": False},
+        )
+        self.dt_bias = None
+        if config.has_dt_bias:
+            settings = config.dt_bias.resolve(
+                initialization=DtBiasInitializationConfig(), lr_scale=lr_scale, weight_decay=False
+            )
+            self.dt_bias = create_parameter(f"{name}.dt_bias", (inner_dim,), settings, distributed)
+        a_log = config.a_log.resolve(
+            initialization=ALogStateInitializationConfig(), lr_scale=lr_scale, weight_decay=False
+        )
+        self.a_log = create_parameter(f"{name}.a_log", (inner_dim, state_dim), a_log, distributed)
+        d = config.d.resolve(initialization=ONES, lr_scale=lr_scale, weight_decay=False)
+        self.d = create_parameter(f"{name}.d", (inner_dim,), d, distributed)
+        self.out_proj = Linear(f"{name}.out_proj", config.out_proj, inner_dim, hidden_dim, **linear)
+
+        # In the grouped layout B and C come from in_proj: their norms see this rank's heads only (partial gradients).
+        self.dt_norm = self._norm(config.dt_norm, "dt_norm", dt_rank_dim, partial=False)
+        self.b_norm = self._norm(config.b_norm, "b_norm", state_dim, partial=config.grouped)
+        self.c_norm = self._norm(config.c_norm, "c_norm", state_dim, partial=config.grouped)
+
+    def _dt_proj_initialization(self) -> InitializationConfig:
+        scale = self._dt_rank**-0.5 * self.config.dt_scale
+        if self.config.dt_init == "constant":
+            return FillInitializationConfig(value=scale)
+        return UniformInitializationConfig(low=-scale, high=scale)
+
+    def _norm(self, config: NormalizationConfig | None, role: str, dim: TensorDim, partial: bool) -> nn.Module | None:
+        implementation = None if config is None else get_registry().implementation_of(config)
+        if implementation is None:
+            return None
+        norm = implementation(
+            config, name=f"{self.name}.{role}", hidden_dim=dim, distributed=self.distributed, lr_scale=self.lr_scale
+        )
+        if partial:
+            for parameter in norm.parameters():
+                parameter.meta = attrs.evolve(
+                    parameter.meta, reduce_gradient_over_tensor_group=self.distributed.tensor_size > 1
+                )
+        return norm
+
+    # -- forward -------------------------------------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: MambaState | None = None) -> torch.Tensor:
+        if state is not None:
+            self._check_state(state, batch)
+        projected = self.in_proj(hidden)
+        parts = {component: projected[:, rows] for component, rows in self._in_proj_slices.items()}
+        convolution_state = None if state is None else state.convolution
+        if self.config.grouped:
+            x, dt, b, c = self._grouped_inputs(hidden, parts, batch, convolution_state)
+        else:
+            x, dt, b, c = self._standard_inputs(parts, batch, convolution_state)
+        delta = self.dt_proj(dt).float()
+        if self.dt_bias is not None:
+            delta = delta + self.dt_bias.float()
+        a = -torch.exp(self.a_log.float())
+        y = selective_scan(x, F.softplus(delta), a, b, c, batch, state=None if state is None else state.ssm)
+        y = (y.float() + x.float() * self.d.float()) * F.silu(parts["z"].float())
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _standard_inputs(self, parts: dict, batch: Batch, convolution_state: torch.Tensor | None):
+        """x (convolved), dt (residual-stream layout), B and C [tokens, 1, state] (every token)."""
+        x = self.convolution(parts["x"], batch, activation="silu", state=convolution_state)
+        state_size = self.config.state_size
+        dt, b, c = self.x_proj(x).split([self._dt_rank, state_size, state_size], dim=-1)
+        dt = self._apply(self.dt_norm, dt)
+        b_c = self._enter_tensor_region(torch.cat([self._apply(self.b_norm, b), self._apply(self.c_norm, c)], -1))
+        return x, dt, b_c[:, None, :state_size], b_c[:, None, state_size:]
+
+    def _grouped_inputs(self, hidden: torch.Tensor, parts: dict, batch: Batch, convolution_state: torch.Tensor | None):
+        """x (convolved, repeated to every head), dt, B (repeated) and C [tokens, heads, state]."""
+        dt = self._apply(self.dt_norm, self.dt_in_proj(hidden))
+        x = parts["x"]
+        if self.config.repeat_xb_before_convolution:
+            x = self.convolution(self._repeat_heads(x), batch, activation="silu", state=convolution_state)
+        else:
+            x = self._repeat_heads(self.convolution(x, batch, activation="silu", state=convolution_state))
+        state_size = self.config.state_size
+        b = self._apply(self.b_norm, parts["b"].unflatten(-1, (-1, state_size)))
+        c = self._apply(self.c_norm, parts["c"].unflatten(-1, (-1, state_size)))
+        return x, dt, b.repeat_interleave(self._repeats, dim=1), c
+
+    def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x/B head g serves the C heads g·repeats ... (g + 1)·repeats - 1 (HF's `repeat_kv` order)."""
+        return x.unflatten(-1, (-1, self.config.state_size)).repeat_interleave(self._repeats, dim=1).flatten(1)
+
+    def _enter_tensor_region(self, tensor: torch.Tensor) -> torch.Tensor:
+        group = self.distributed.tensor_group
+        if self.distributed.sequence_tensor_parallel:
+            return gather_tokens(tensor, group)
+        return copy_to_tensor_region(tensor, group)
+
+    @staticmethod
+    def _apply(norm: nn.Module | None, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if norm is None else norm(tensor)
+
+    # -- generation ----------------------------------------------------------------------------------------------------
+
+    def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> MambaState:
+        """The state does not grow with the sequence: `max_length` is not needed."""
+        tensor_size = self.distributed.tensor_size
+        channels = self._convolution_dim.local_size(tensor_size)
+        kernel_size = self.config.convolution.kernel_size
+        return MambaState(
+            torch.zeros(num_sequences, channels, kernel_size - 1, device=device, dtype=dtype),
+            torch.zeros(
+                num_sequences,
+                self._inner_dim.local_size(tensor_size),
+                self.config.state_size,
+                device=device,
+                dtype=torch.float32,
+            ),
+        )
+
+    def _check_state(self, state: MambaState, batch: Batch) -> None:
+        if batch.past_lengths is None:
+            raise ValueError(f"mamba {self.name!r}: a generation state needs `batch.past_lengths`")
+        if batch.num_documents != state.ssm.shape[0]:
+            raise ValueError(
+                f"mamba {self.name!r}: the batch has {batch.num_documents} sequences but the state holds "
+                f"{state.ssm.shape[0]}"
+            )
+
+    # -- compute -------------------------------------------------------------------------------------------------------
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        tokens = batch.num_tokens
+        linears = [self.in_proj, self.dt_in_proj if self.config.grouped else self.x_proj, self.dt_proj, self.out_proj]
+        forward = sum(linear.forward_flops(tokens) for linear in linears)
+        backward = sum(linear.backward_flops(tokens) for linear in linears)
+        # Convolution: a multiply-add per tap and channel. Scan, per channel and state entry: exp(Δ·A) 2, Δ·x·B 2,
+        # the state update 2, its product with C 2. Backward twice the forward. Element-wise ops are not counted.
+        convolution = 2 * self.config.convolution.kernel_size * self._convolution_dim.global_size * tokens
+        scan = 8 * self._inner_dim.global_size * self.config.state_size * tokens
+        return forward + convolution + scan, backward + 2 * (convolution + scan)

@@ -1,0 +1,161 @@
+"""Config of the Mamba 2 (SSD) mixer (`type: mamba_2`). Torch-free, like every plugin's config module.
+
+Names of the references each field matches: mamba_ssm's `Mamba2` module (`modules/mamba2.py`) and Hugging Face's
+`Mamba2Mixer` / NemotronH / Bamba.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from blockzoo.api import (
+    GENERATION_CACHE,
+    SEQUENCE_TENSOR_PARALLEL,
+    TENSOR_PARALLEL,
+    Config,
+    ConfigFieldError,
+    LinearConfig,
+    MixerConfig,
+    ParameterConfig,
+    at_least,
+    check,
+    configclass,
+    field,
+)
+from blockzoo.ssm import ConvolutionConfig
+
+# The components of the fused input projection, in mamba_ssm's (and HF's) row order.
+IN_PROJ_COMPONENTS = ("z", "x", "b", "c", "dt")
+
+
+@configclass
+class GatedNormalizationConfig(Config):
+    """RMSNorm of the scan's output y gated by z: RMSNorm(y · silu(z)) · weight (mamba_ssm `norm_before_gate=False`)."""
+
+    epsilon: float = field(
+        1.0e-5, doc="Added to the mean square (mamba_ssm 1e-5, HF `layer_norm_epsilon`).", validator=at_least(0)
+    )
+    per_group: bool = field(
+        True,
+        doc="true: statistics over each B/C group's channels, (heads / groups) · head_size of them (mamba_ssm "
+        "`Mamba2`, NemotronH, Zamba2, FalconH1). false: over the whole inner dimension (HF `Mamba2`, Bamba, "
+        "GraniteMoeHybrid). The same when groups is 1.",
+    )
+    weight: ParameterConfig = field(
+        factory=ParameterConfig, doc="The scale, one per inner channel (ones by default, no weight decay)."
+    )
+    lr_scale: float | None = field(
+        None, doc="Multiplies the mixer's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
+
+
+def _in_proj_doc(role: str) -> str:
+    return f"The rows of the fused input projection `in_proj` computing {role}. Bias default: `add_linear_biases`."
+
+
+@configclass
+class Mamba2Config(MixerConfig):
+    """Mamba 2 (SSD): in_proj → [z, x, B, C, dt]; causal conv + silu over x‖B‖C; dt = clamp(softplus(dt + dt_bias));
+    the SSD scan with A = -exp(A_log) per head; + D·x; RMSNorm(y · silu(z)); out_proj.
+
+    Head h reads B/C group h // (heads / groups). The inner dimension is heads · head_size, independent of the
+    hidden size (mamba_ssm: expand · d_model = nheads · headdim).
+    Tensor-parallel: heads and groups are split (tensor_parallel must divide groups), so are the in_proj
+    components, the convolution's channels, dt_bias, A_log, D and the norm; out_proj is row-parallel.
+    """
+
+    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+
+    heads: int = field(
+        8, doc="SSM heads, each with its own dt, A and D (mamba_ssm `nheads`, HF `num_heads`).", validator=at_least(1)
+    )
+    head_size: int = field(64, doc="Channels of each head (mamba_ssm `headdim`, HF `head_dim`).", validator=at_least(1))
+    groups: int = field(
+        1,
+        doc="B/C groups, each shared by heads / groups heads (mamba_ssm `ngroups`, HF `n_groups`). Must divide heads.",
+        validator=at_least(1),
+    )
+    state_size: int = field(
+        128, doc="State size per channel (mamba_ssm `d_state`, HF `state_size`).", validator=at_least(1)
+    )
+    chunk_size: int = field(
+        256,
+        doc="Tokens per chunk of the SSD scan: the work is quadratic within a chunk, a state is passed between chunks. "
+        "Changes the rounding, not the result.",
+        validator=at_least(1),
+    )
+    convolution: ConvolutionConfig = field(factory=ConvolutionConfig, doc="The causal convolution over x‖B‖C.")
+    z: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("the gate z of the output norm"))
+    x: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("the scan's input x"))
+    b: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("B, the state's input map, per group"))
+    c: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("C, the state's output map, per group"))
+    dt: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("the time step dt, per head, before dt_bias"))
+    out_proj: LinearConfig = field(
+        factory=LinearConfig, doc="The output projection, inner → hidden. Its bias defaults to `add_linear_biases`."
+    )
+    add_linear_biases: bool = field(False, doc="Default of in_proj's and out_proj's `bias.enabled` (mamba_ssm `bias`).")
+    dt_bias: ParameterConfig = field(
+        factory=ParameterConfig,
+        doc="Added to dt before the softplus, one per head. Default initialization `dt_bias` (softplus⁻¹ of a "
+        "log-uniform time step in [min, max], floored: mamba_ssm's), no weight decay.",
+    )
+    dt_limit: tuple[float, float] = field(
+        (0.0, math.inf),
+        doc="[min, max]: softplus(dt + dt_bias) is clamped to it (mamba_ssm `dt_limit`, HF `time_step_limit`).",
+    )
+    a_log: ParameterConfig = field(
+        factory=ParameterConfig,
+        doc="A = -exp(A_log), one per head. Default initialization `a_log_range` (log of uniform [1, 16], mamba_ssm's "
+        "`A_init_range`), no weight decay.",
+    )
+    d: ParameterConfig = field(factory=ParameterConfig, doc="The skip y += D · x (ones by default, no weight decay).")
+    d_per_channel: bool = field(
+        False, doc="D has one value per channel of each head (mamba_ssm `D_has_hdim`) instead of one per head."
+    )
+    normalization: GatedNormalizationConfig = field(
+        factory=GatedNormalizationConfig, doc="The gated RMSNorm of the scan's output."
+    )
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(self.groups <= self.heads, "groups", f"must be <= heads ({self.heads}), got {self.groups}")
+        check(self.heads % self.groups == 0, "groups", f"must divide heads ({self.heads}), got {self.groups}")
+        low, high = self.dt_limit
+        check(0 <= low < high, "dt_limit", f"must be [min, max] with 0 <= min < max, got [{low}, {high}]")
+        biases = {name: self.has_bias(getattr(self, name)) for name in IN_PROJ_COMPONENTS}
+        for name in IN_PROJ_COMPONENTS[1:]:
+            check(
+                biases[name] == biases["z"],
+                f"{name}.bias.enabled",
+                "z, x, b, c and dt are one fused in_proj weight: all have a bias or none "
+                f"({', '.join(f'{key}: {value}' for key, value in biases.items())})",
+            )
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        if self.groups % tensor_parallel:
+            raise ConfigFieldError(
+                "groups",
+                f"tensor_parallel={tensor_parallel} must divide groups ({self.groups}): heads are split between "
+                "ranks with their B/C groups (raise groups, as mamba_ssm requires too)",
+            )
+        if tensor_parallel > 1 and not self.normalization.per_group:
+            raise ConfigFieldError(
+                "normalization.per_group",
+                f"false normalizes over the whole inner dimension, which tensor_parallel={tensor_parallel} splits "
+                "between ranks; use per_group: true (mamba_ssm's grouping: each rank holds whole groups)",
+            )
+
+    @property
+    def inner_size(self) -> int:
+        return self.heads * self.head_size
+
+    @property
+    def norm_group_size(self) -> int:
+        """Channels over which the gated norm takes its statistics."""
+        return self.inner_size // self.groups if self.normalization.per_group else self.inner_size
+
+    def has_bias(self, linear: LinearConfig) -> bool:
+        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled

@@ -1,0 +1,213 @@
+"""The Mamba 2 (SSD) mixer over packed documents.
+
+in_proj → [z, x, B, C, dt]; causal depthwise convolution + silu over x‖B‖C; dt = clamp(softplus(dt + dt_bias));
+y = SSD scan of x with A = -exp(A_log), B, C; y += D·x; y = RMSNorm(y · silu(z)) · weight; out_proj(y).
+The numerics (convolution, scan, gated norm) are `blockzoo.ssm`'s; this module holds the parameters and the layout.
+
+Tensor-parallel layout: heads are laid out group-major (head h reads B/C group h // (heads / groups)), so splitting
+the groups between ranks gives each rank whole groups and their heads. Each in_proj component (z, x, B, C, dt) is
+split on its own (column-parallel), as are the convolution's channels (x, B, C), dt_bias, A_log, D and the norm's
+weight; out_proj is row-parallel. Under sequence-tensor-parallel in_proj gathers the token shards and out_proj
+scatters its output, so the convolution and the scan always see every token of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockzoo.api import (
+    ONES,
+    ZEROS,
+    Batch,
+    CompositeTensorDim,
+    ConcatenatedTensorDim,
+    ConfigFieldError,
+    Distributed,
+    InitializationConfig,
+    Linear,
+    Mixer,
+    NormalInitializationConfig,
+    ParameterConfig,
+    TensorDim,
+    create_parameter,
+)
+from blockzoo.ssm import (
+    ALogRangeInitializationConfig,
+    CausalConvolution,
+    DtBiasInitializationConfig,
+    gated_rms_norm,
+    ssd_scan,
+)
+from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, GatedNormalizationConfig, Mamba2Config
+
+
+class Mamba2State:
+    """What generation keeps per sequence: the convolution's last kernel_size - 1 inputs `[sequences, channels,
+    kernel_size - 1]` and the SSM state `[sequences, heads, head_size, state_size]` (fp32). Updated in place."""
+
+    def __init__(self, convolution: torch.Tensor, ssm: torch.Tensor):
+        self.convolution = convolution
+        self.ssm = ssm
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y · silu(z)) · weight, statistics over groups of `group_size` channels."""
+
+    def __init__(
+        self,
+        config: GatedNormalizationConfig,
+        *,
+        name: str,
+        channels: TensorDim,
+        group_size: int,
+        distributed: Distributed,
+        lr_scale: float,
+    ):
+        super().__init__()
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        self.epsilon = config.epsilon
+        self.group_size = group_size
+        settings = config.weight.resolve(initialization=ONES, lr_scale=lr_scale, weight_decay=False)
+        self.weight = create_parameter(f"{name}.weight", (channels,), settings, distributed)
+
+    def forward(self, input: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(input, gate, self.weight, epsilon=self.epsilon, group_size=self.group_size)
+
+
+class Mamba2(Mixer):
+    def __init__(
+        self, config: Mamba2Config, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
+    ):
+        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
+        try:
+            config.check_tensor_parallel(distributed.tensor_size)
+        except ConfigFieldError as error:
+            raise ValueError(f"mamba_2 mixer {name!r}: {error.field_name}: {error.message}") from None
+
+        # Group-major dims: splitting the groups splits the heads, their channels and their B/C alike.
+        group_dim = TensorDim("groups", config.groups, parallel=True)
+        group_heads_dim = TensorDim("group_heads", config.heads // config.groups)
+        head_size_dim = TensorDim("head_size", config.head_size)
+        state_dim = TensorDim("state", config.state_size)
+
+        def inner(role: str) -> CompositeTensorDim:
+            return CompositeTensorDim(role, (group_dim, group_heads_dim, head_size_dim))
+
+        def per_group_state(role: str) -> CompositeTensorDim:
+            return CompositeTensorDim(role, (group_dim, state_dim))
+
+        heads_dim = CompositeTensorDim("heads", (group_dim, group_heads_dim))
+        inner_dim = inner("inner")
+        in_proj_dims = {
+            "z": inner("z"),
+            "x": inner("x"),
+            "b": per_group_state("b"),
+            "c": per_group_state("c"),
+            "dt": CompositeTensorDim("dt", (group_dim, group_heads_dim)),
+        }
+        in_proj_dim = ConcatenatedTensorDim("in_proj", [in_proj_dims[role] for role in IN_PROJ_COMPONENTS])
+        convolution_dim = ConcatenatedTensorDim("convolution", [in_proj_dims[role] for role in ("x", "b", "c")])
+        # Where each component lies in this rank's in_proj output; x‖B‖C are adjacent, the convolution's input.
+        tensor_size = distributed.tensor_size
+        self._in_proj_rows = dict(zip(IN_PROJ_COMPONENTS, in_proj_dim.component_slices(tensor_size)))
+        self._convolution_rows = slice(self._in_proj_rows["x"].start, self._in_proj_rows["c"].stop)
+        self._xbc_sizes = [dim.local_size(tensor_size) for dim in convolution_dim.dims]
+
+        linear = {
+            "distributed": distributed,
+            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
+            "default_bias": config.add_linear_biases,
+            "lr_scale": lr_scale,
+        }
+        self.in_proj = Linear(
+            f"{name}.in_proj", [getattr(config, role) for role in IN_PROJ_COMPONENTS], hidden_dim, in_proj_dim, **linear
+        )
+        self.convolution = CausalConvolution(
+            config.convolution,
+            name=f"{name}.convolution",
+            channels_dim=convolution_dim,
+            distributed=distributed,
+            lr_scale=lr_scale,
+            bias_initialization=ZEROS,  # HF's; mamba_ssm keeps torch's Conv1d initialization.
+        )
+        self.dt_bias = self._head_parameter("dt_bias", config.dt_bias, DtBiasInitializationConfig(), heads_dim)
+        self.a_log = self._head_parameter("a_log", config.a_log, ALogRangeInitializationConfig(), heads_dim)
+        self.d = self._head_parameter("d", config.d, ONES, inner_dim if config.d_per_channel else heads_dim)
+        self.normalization = GatedRMSNorm(
+            config.normalization,
+            name=f"{name}.normalization",
+            channels=inner_dim,
+            group_size=config.norm_group_size,
+            distributed=distributed,
+            lr_scale=lr_scale,
+        )
+        self.out_proj = Linear(f"{name}.out_proj", config.out_proj, inner_dim, hidden_dim, **linear)
+
+    def _head_parameter(
+        self, role: str, config: ParameterConfig, initialization: InitializationConfig, dim: TensorDim
+    ) -> nn.Parameter:
+        settings = config.resolve(initialization=initialization, lr_scale=self.lr_scale, weight_decay=False)
+        return create_parameter(f"{self.name}.{role}", (dim,), settings, self.distributed)
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: Mamba2State | None = None) -> torch.Tensor:
+        config = self.config
+        if state is not None:
+            self._check_state(state, batch)
+        projected = self.in_proj(hidden)
+        z, dt = projected[:, self._in_proj_rows["z"]], projected[:, self._in_proj_rows["dt"]]
+        xbc = self.convolution(
+            projected[:, self._convolution_rows],
+            batch,
+            activation="silu",
+            state=None if state is None else state.convolution,
+        )
+        x, b, c = xbc.split(self._xbc_sizes, dim=-1)
+        x = x.unflatten(-1, (-1, config.head_size))
+        # The time step and A in fp32 whatever the compute dtype (as mamba_ssm's kernels do).
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*config.dt_limit)
+        y = ssd_scan(
+            x,
+            dt,
+            -torch.exp(self.a_log.float()),
+            b.unflatten(-1, (-1, config.state_size)),
+            c.unflatten(-1, (-1, config.state_size)),
+            batch,
+            chunk_size=config.chunk_size,
+            state=None if state is None else state.ssm,
+        )
+        d = self.d.float().view(-1, config.head_size) if config.d_per_channel else self.d.float()[:, None]
+        y = (y.float() + d * x.float()).to(x.dtype)
+        return self.out_proj(self.normalization(y.flatten(1), z))
+
+    def _check_state(self, state: Mamba2State, batch: Batch) -> None:
+        if batch.past_lengths is None:
+            raise ValueError("mamba_2 with a generation state needs `batch.past_lengths`")
+        if batch.num_documents != len(state.ssm):
+            raise ValueError(f"the batch has {batch.num_documents} sequences but the state holds {len(state.ssm)}")
+
+    def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> Mamba2State:
+        """Zero states (`max_length` is not needed: the state does not grow with the sequence)."""
+        channels, kernel_size = self.convolution.weight.shape
+        heads = len(self.dt_bias)
+        config = self.config
+        return Mamba2State(
+            torch.zeros(num_sequences, channels, kernel_size - 1, device=device, dtype=dtype),
+            torch.zeros(num_sequences, heads, config.head_size, config.state_size, device=device, dtype=torch.float32),
+        )
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        tokens, config = batch.num_tokens, self.config
+        linears = (self.in_proj, self.out_proj)
+        forward = sum(linear.forward_flops(tokens) for linear in linears)
+        backward = sum(linear.backward_flops(tokens) for linear in linears)
+        # The convolution: one multiply-add per tap and channel (x‖B‖C) of each token.
+        channels = config.inner_size + 2 * config.groups * config.state_size
+        convolution = 2 * config.convolution.kernel_size * channels * tokens
+        # The scan counted as its recurrence: per token, each element of each head's head_size × state_size state
+        # is decayed and fed dt·x·B (two multiply-adds) and read by C (one). Norm, gate, D and dt are not counted.
+        scan = 6 * config.inner_size * config.state_size * tokens
+        # Backward: the gradients of the inputs and of the parameters, about twice the forward.
+        return forward + convolution + scan, backward + 2 * (convolution + scan)

@@ -1,0 +1,301 @@
+"""The Mamba 2 mixer on one process: against a float64 per-token loop, packed documents against separate runs,
+generation state against the full forward, every config field, per-component in_proj settings, FLOPs."""
+
+import attrs
+import pytest
+import torch
+from mamba_2_reference import AROUND_ONE, RANDOM, build, inputs, reference_forward, run, single_process
+
+import blockzoo_mamba_2.mamba_2 as mamba_2_module
+from blockzoo.layers.base import Batch
+from blockzoo_mamba_2.config import ConvolutionConfig, GatedNormalizationConfig, Mamba2Config
+from blockzoo_mamba_2.mamba_2 import Mamba2
+
+LENGTHS = [5, 1, 7]  # Not multiples of the chunk size (4), and a document of one token.
+SMALL = {"heads": 4, "head_size": 4, "state_size": 3, "chunk_size": 4}
+# Time steps around 0.1-3 (softplus of N(0, 1)): the state decays visibly within a document.
+LARGE_DT = {"dt_bias": {"initialization": {"type": "normal", "std": 1.0}}}
+CASES = {
+    "groups-per-group-norm": {
+        **SMALL,
+        **LARGE_DT,
+        "groups": 2,
+        "convolution": {"kernel_size": 3, "bias": RANDOM},
+        "normalization": {"weight": AROUND_ONE},
+    },
+    "whole-inner-norm-d-per-channel": {
+        **SMALL,
+        **LARGE_DT,
+        "groups": 2,
+        "d_per_channel": True,
+        "d": AROUND_ONE,
+        "normalization": {"per_group": False, "epsilon": 0.1},
+    },
+    "biases-dt-limit-no-conv-bias": {
+        **SMALL,
+        **LARGE_DT,
+        "add_linear_biases": True,
+        "z": {"bias": RANDOM},
+        "x": {"bias": RANDOM},
+        "dt": {"bias": RANDOM},
+        "out_proj": {"bias": RANDOM},
+        "dt_limit": [0.2, 0.8],
+        "convolution": {"kernel_size": 2, "bias": {"enabled": False}},
+        "d": RANDOM,
+    },
+    "one-group-one-chunk-default-dt": {**SMALL, "chunk_size": 256, "groups": 1, "d": AROUND_ONE},
+    "a-group-per-head-kernel-size-one": {**SMALL, **LARGE_DT, "groups": 4, "convolution": {"kernel_size": 1}},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_a_per_token_loop(case):
+    layer = build(CASES[case])
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        output = layer(hidden, Batch(LENGTHS))
+    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_documents_equal_separate_runs(case):
+    layer = build(CASES[case])
+    hidden, loss_weights = inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    outputs, input_grads, grads = [], [], []
+    for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
+        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        outputs.append(output)
+        input_grads.append(input_grad)
+        grads.append(document_grads)
+    torch.testing.assert_close(packed, torch.cat(outputs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_input_grad, torch.cat(input_grads), atol=1e-5, rtol=1e-5)
+    assert set(packed_grads) == {
+        "in_proj.weight",
+        *(["in_proj.bias", "out_proj.bias"] if layer.config.add_linear_biases else []),
+        "convolution.weight",
+        *(["convolution.bias"] if layer.config.convolution.has_bias else []),
+        "dt_bias",
+        "a_log",
+        "d",
+        "normalization.weight",
+        "out_proj.weight",
+    }
+    for name, gradient in packed_grads.items():
+        torch.testing.assert_close(gradient, sum(g[name] for g in grads), atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_parameter_names_and_shapes():
+    layer = build({**SMALL, "groups": 2, "d_per_channel": True})
+    # in_proj rows: z (16) ‖ x (16) ‖ B (2 groups · 3) ‖ C (6) ‖ dt (4 heads); the convolution covers x‖B‖C.
+    shapes = {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
+    assert shapes == {
+        "in_proj.weight": (48, 16),
+        "convolution.weight": (28, 4),
+        "convolution.bias": (28,),
+        "dt_bias": (4,),
+        "a_log": (4,),
+        "d": (16,),
+        "normalization.weight": (16,),
+        "out_proj.weight": (16, 16),
+    }
+    assert {parameter.meta.name for parameter in layer.parameters()} == {f"mixer.{name}" for name in shapes}
+
+
+def test_default_initializations():
+    layer = build({"heads": 64, "head_size": 2, "state_size": 2, "convolution": {"kernel_size": 4}})
+    a = torch.exp(layer.a_log.detach())
+    assert bool(((a >= 1) & (a <= 16)).all()) and float(a.std()) > 2  # uniform [1, 16]
+    dt = torch.nn.functional.softplus(layer.dt_bias.detach())
+    assert bool(((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all())  # log-uniform time steps in [1e-3, 0.1]
+    assert bool(layer.d.detach().eq(1).all()) and bool(layer.normalization.weight.detach().eq(1).all())
+    assert bool(layer.convolution.bias.detach().eq(0).all())
+    filters = layer.convolution.weight.detach()
+    assert float(filters.abs().max()) <= 0.5 and float(filters.abs().max()) > 0.4  # uniform(±4^-0.5)
+    settings = {p.meta.name.removeprefix("mixer."): p.meta.settings[0] for p in layer.parameters()}
+    no_decay = {name for name, setting in settings.items() if not setting.weight_decay}
+    assert no_decay == {"convolution.bias", "dt_bias", "a_log", "d", "normalization.weight"}
+
+
+@pytest.mark.parametrize(
+    "case", ["groups-per-group-norm", "biases-dt-limit-no-conv-bias", "a-group-per-head-kernel-size-one"]
+)
+def test_generation_state_equals_the_full_forward(case):
+    layer = build(CASES[case])
+    full_lengths = [8, 6]
+    hidden, _ = inputs(sum(full_lengths))
+    with torch.no_grad():
+        expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
+    sequences = hidden.split(full_lengths)
+    # Prefill prompts of different lengths, a chunk of several tokens, then one token at a time.
+    steps = [[3, 2], [2, 1], [1, 1], [1, 1], [1, 1]]
+    assert [sum(step) for step in zip(*steps)] == full_lengths
+    state = layer.new_state(2, 10, torch.device("cpu"), torch.float32)
+    assert state.ssm.dtype == torch.float32 and state.ssm.shape == (2, 4, 4, 3)
+    past = [0, 0]
+    outputs = [[], []]
+    with torch.no_grad():
+        for lengths in steps:
+            chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
+            output = layer(chunk, Batch(lengths, past_lengths=past), state)
+            for index, part in enumerate(output.split(lengths)):
+                outputs[index].append(part)
+            past = [p + n for p, n in zip(past, lengths)]
+    for index in range(2):
+        torch.testing.assert_close(torch.cat(outputs[index]), expected[index], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_compute_is_close_to_fp32():
+    """Activations in bf16 (master weights fp32): the output keeps the dtype, gradients reach fp32 weights."""
+    hidden, loss_weights = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        expected = build(CASES["groups-per-group-norm"])(hidden, Batch(LENGTHS))
+    layer = build(CASES["groups-per-group-norm"], single_process(compute_dtype="bf16"))
+    output, input_grad, grads = run(layer, hidden.bfloat16(), Batch(LENGTHS), loss_weights)
+    assert output.dtype == input_grad.dtype == torch.bfloat16
+    assert all(gradient.dtype == torch.float32 and bool(torch.isfinite(gradient).all()) for gradient in grads.values())
+    assert float((output.float() - expected).norm() / expected.norm()) < 3e-2
+
+
+def test_generation_state_errors():
+    layer = build(SMALL)
+    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
+    hidden, _ = inputs(3)
+    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
+        layer(hidden, Batch([2, 1]), state)
+    with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
+        layer(hidden, Batch([3], past_lengths=[0]), state)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every field of the config changes the parameters or the forward pass
+
+FIELD_CHANGES = {
+    "heads": {"heads": 8},
+    "head_size": {"head_size": 2},
+    "groups": {"groups": 1},
+    "state_size": {"state_size": 2},
+    "convolution": {"convolution": {"kernel_size": 2}},
+    "z": {"z": {"weight": {"initialization": {"type": "uniform"}}}},
+    "x": {"x": {"weight": {"initialization": {"type": "uniform"}}}},
+    "b": {"b": {"lr_scale": 0.5}},
+    "c": {"c": {"weight": {"initialization": {"type": "uniform"}}}},
+    "dt": {"dt": {"weight": {"initialization": {"type": "uniform"}}}},
+    "out_proj": {"out_proj": {"bias": {"enabled": True}}},
+    "add_linear_biases": {"add_linear_biases": True},
+    "dt_bias": {"dt_bias": {"initialization": {"type": "fill", "value": 1.0}}},
+    "dt_limit": {"dt_limit": [0.2, 0.3]},
+    "a_log": {"a_log": {"initialization": {"type": "fill", "value": 0.5}}},
+    "d": {"d": {"weight_decay": True}},
+    "d_per_channel": {"d_per_channel": True},
+    "normalization": {"normalization": {"per_group": False}},
+    "lr_scale": {"lr_scale": 0.0},
+}
+# The fields of the nested configs, each changed on its own.
+NESTED_CHANGES = {
+    ("convolution", "kernel_size"): {"kernel_size": 2},
+    ("convolution", "weight"): {"weight": {"initialization": {"type": "normal"}}},
+    ("convolution", "bias"): {"bias": {"enabled": False}},
+    ("convolution", "lr_scale"): {"lr_scale": 0.5},
+    ("normalization", "epsilon"): {"epsilon": 10.0},
+    ("normalization", "per_group"): {"per_group": False},
+    ("normalization", "weight"): {"weight": {"lr_scale": 0.5}},
+    ("normalization", "lr_scale"): {"lr_scale": 0.0},
+}
+_NESTED = [("convolution", ConvolutionConfig), ("normalization", GatedNormalizationConfig)]
+FIELD_BASE = {**SMALL, "groups": 2}
+
+
+def _parameters(layer: Mamba2) -> dict:
+    return {name: (p.detach(), p.meta.settings, p.requires_grad) for name, p in layer.named_parameters()}
+
+
+def _differ(first: dict, second: dict) -> bool:
+    if first.keys() != second.keys():
+        return True
+    for (value, settings, grad), (other, other_settings, other_grad) in zip(first.values(), second.values()):
+        if value.shape != other.shape or not torch.equal(value, other):
+            return True
+        if settings != other_settings or grad != other_grad:
+            return True
+    return False
+
+
+def _changes_something(change: dict, base: Mamba2, base_output: torch.Tensor, hidden: torch.Tensor) -> bool:
+    layer = build({**FIELD_BASE, **change})
+    assert layer.config.explicit_fields() >= set(change)
+    if _differ(_parameters(base), _parameters(layer)):
+        return True
+    with torch.no_grad():
+        output = layer(hidden, Batch(LENGTHS))
+    return not torch.allclose(output, base_output)
+
+
+def test_every_field_changes_parameters_or_outputs():
+    assert {field.name for field in attrs.fields(Mamba2Config)} == {*FIELD_CHANGES, "chunk_size"}, "a field untested"
+    nested = {(owner, field.name) for owner, cls in _NESTED for field in attrs.fields(cls)}
+    assert nested == set(NESTED_CHANGES), "a nested field untested"
+    base = build(FIELD_BASE)
+    hidden, _ = inputs(sum(LENGTHS))
+    with torch.no_grad():
+        base_output = base(hidden, Batch(LENGTHS))
+    for name, change in FIELD_CHANGES.items():
+        assert _changes_something(change, base, base_output, hidden), f"changing {name} changed nothing"
+    for (owner, name), change in NESTED_CHANGES.items():
+        assert _changes_something({owner: change}, base, base_output, hidden), f"changing {owner}.{name} did nothing"
+
+
+def test_chunk_size_reaches_the_scan_and_changes_only_rounding(monkeypatch):
+    """The chunk size splits the scan's work, not its result: the scan is called with it, and the outputs agree."""
+    hidden, _ = inputs(sum(LENGTHS))
+    outputs, seen = [], []
+    scan = mamba_2_module.ssd_scan
+
+    def recording_scan(*args, **kwargs):
+        seen.append(kwargs["chunk_size"])
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(mamba_2_module, "ssd_scan", recording_scan)
+    for chunk_size in (2, 3, 256):
+        with torch.no_grad():
+            outputs.append(build({**CASES["groups-per-group-norm"], "chunk_size": chunk_size})(hidden, Batch(LENGTHS)))
+    assert seen == [2, 3, 256]
+    for output in outputs[1:]:
+        torch.testing.assert_close(output, outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_in_proj_components_are_honoured_for_their_rows():
+    layer = build({**SMALL, "dt": {"lr_scale": 0.5, "weight": {"initialization": {"type": "fill", "value": 0.25}}}})
+    # Rows: z 16, x 16, B 3, C 3, dt 4.
+    rows = layer.in_proj.weight.meta.lr_scale_rows().flatten()
+    assert rows[:38].eq(1.0).all() and rows[38:].eq(0.5).all()
+    weight = layer.in_proj.weight.detach()
+    assert weight[38:].eq(0.25).all() and not weight[:38].eq(0.25).any()
+
+
+def test_hidden_size_differs_from_the_inner_size():
+    layer = build({"heads": 3, "head_size": 5, "state_size": 2, "chunk_size": 4}, hidden=10)
+    hidden, _ = inputs(6, hidden=10)
+    with torch.no_grad():
+        output = layer(hidden, Batch([4, 2]))
+    assert output.shape == (6, 10) and layer.out_proj.weight.shape == (10, 15)
+    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def test_flops_against_a_hand_count():
+    # hidden 16, heads 4 × head_size 4 = inner 16, groups 2, state 3, kernel 3.
+    layer = build({**SMALL, "groups": 2, "convolution": {"kernel_size": 3}})
+    tokens = 7
+    in_proj = 2 * tokens * 16 * (16 + 16 + 6 + 6 + 4)
+    out_proj = 2 * tokens * 16 * 16
+    convolution = 2 * tokens * 3 * (16 + 6 + 6)
+    scan = 6 * tokens * 16 * 3
+    forward = in_proj + out_proj + convolution + scan
+    assert layer.flops(Batch([5, 2])) == (forward, 2 * forward)
+    # A frozen in_proj needs no weight gradient: its backward costs one forward.
+    frozen = build({**SMALL, "groups": 2, "convolution": {"kernel_size": 3}, "lr_scale": 0.0})
+    assert frozen.flops(Batch([5, 2]))[1] == in_proj + out_proj + 2 * (convolution + scan)
