@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm import import_mamba_ssm, kernels, mamba_ssm_available, scan, ssd_scan
+from blockzoo.ssm import causal_conv1d, gated_rms_norm, import_mamba_ssm, kernels, mamba_ssm_available, scan, ssd_scan
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def _inputs(lengths, *, heads=4, head_size=32, groups=2, state_size=16, dt_range
 
 def _forward_backward(inputs, lengths, *, device, dtype, scale_input):
     leaves = {
-        name: tensor.to(device=device, dtype=torch.float32 if name == "A" else dtype).requires_grad_()
+        name: tensor.detach().to(device=device, dtype=torch.float32 if name == "A" else dtype).requires_grad_()
         for name, tensor in inputs.items()
     }
     y = ssd_scan(*leaves.values(), Batch(lengths, device=device), chunk_size=CHUNK_SIZE, scale_input=scale_input)
@@ -119,7 +119,10 @@ def test_generation_state_on_cuda_takes_the_torch_path():
 def test_speed_at_a_training_shape(capsys, monkeypatch):
     # 2 documents of 4096 tokens, 32 heads of 64, state 128, chunk 256, bf16: the kernel, then the torch path.
     lengths = [4096, 4096]
-    inputs = _inputs(lengths, heads=32, head_size=64, groups=1, state_size=128)
+    inputs = {
+        name: tensor.cuda()
+        for name, tensor in _inputs(lengths, heads=32, head_size=64, groups=1, state_size=128).items()
+    }
     times = {}
     for path in ("kernel", "torch"):
         if path == "torch":
@@ -132,3 +135,64 @@ def test_speed_at_a_training_shape(capsys, monkeypatch):
             times[path] = f"{(time.perf_counter() - start) * 1000:.1f} ms"
     with capsys.disabled():
         print(f"\nssd_scan 2x4096 tokens, 32 heads x 64, state 128, bf16, forward+backward: {times}")
+
+
+def _leaves(tensors, device, dtype):
+    return [tensor.detach().to(device=device, dtype=dtype).requires_grad_() for tensor in tensors]
+
+
+def _compare_on_cuda(function, tensors, dtype, tolerance):
+    """`function` on CUDA in `dtype` (the GPU path) against the CPU path in float64: output and every gradient."""
+    results = {}
+    for device, compute_dtype in (("cpu", torch.float64), ("cuda", dtype)):
+        leaves = _leaves(tensors, device, compute_dtype)
+        output = function(*leaves, device)
+        weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        (output.double() * weights.to(device)).sum().backward()
+        results[device] = (output, [leaf.grad for leaf in leaves])
+    assert results["cuda"][0].dtype == dtype
+    assert _relative_error(results["cuda"][0], results["cpu"][0]) < tolerance
+    for index, (grad, expected) in enumerate(zip(results["cuda"][1], results["cpu"][1])):
+        if expected is None:  # an input the function does not use (the gate of an ungated norm)
+            assert grad is None
+            continue
+        assert _relative_error(grad, expected) < tolerance, f"gradient of input {index}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group_size", [64, 256])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_rms_norm_through_the_fused_kernel(dtype, group_size, gated):
+    generator = torch.Generator().manual_seed(4)
+    x, gate = torch.randn(2, 300, 256, generator=generator)
+    weight = 1 + 0.1 * torch.randn(256, generator=generator)
+
+    def norm(x, gate, weight, device):
+        return gated_rms_norm(x, gate if gated else None, weight, epsilon=1e-5, group_size=group_size)
+
+    _compare_on_cuda(norm, (x, gate, weight), dtype, {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_conv1d_on_cuda(dtype):
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(LENGTHS), 96, generator=generator)
+    weight, bias = torch.randn(96, 4, generator=generator), torch.randn(96, generator=generator)
+
+    def conv(x, weight, bias, device):
+        return causal_conv1d(x, weight, bias, Batch(LENGTHS, device=device), activation="silu")
+
+    _compare_on_cuda(conv, (x, weight, bias), dtype, {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype])
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_ssd_scan_skip_on_cuda(scale_input):
+    inputs = _inputs(LENGTHS, dt_range=(0.01, 0.2) if scale_input else (0.2, 1.2))
+    skip = torch.randn(4, 32, generator=torch.Generator().manual_seed(8))
+
+    def scan_with_skip(x, dt, A, B, C, D, device):
+        return ssd_scan(
+            x, dt, A, B, C, Batch(LENGTHS, device=device), chunk_size=CHUNK_SIZE, D=D, scale_input=scale_input
+        )
+
+    _compare_on_cuda(scan_with_skip, (*inputs.values(), skip), torch.float32, 1e-2)

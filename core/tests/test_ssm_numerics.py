@@ -164,6 +164,21 @@ def test_ssd_scan_matches_the_step_by_step_recurrence(chunk_size, scale_input, g
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_ssd_scan_adds_the_skip(per_channel, scale_input):
+    x, dt, A, B, C = ssd_inputs(LENGTHS, groups=2)
+    skip = torch.randn(
+        x.shape[1:] if per_channel else x.shape[1:2], dtype=F64, generator=torch.Generator().manual_seed(7)
+    )
+    y = ssd_scan(x, dt, A, B, C, Batch(LENGTHS), chunk_size=4, D=skip, scale_input=scale_input)
+    expected, _ = reference_ssd(x, dt, A, B, C, LENGTHS, scale_input=scale_input)
+    expected = expected + (skip if per_channel else skip[:, None]) * x  # y_t += D·x_t, per head or per channel
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="D must be"):
+        ssd_scan(x, dt, A, B, C, Batch(LENGTHS), chunk_size=4, D=skip[:1])
+
+
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_ssd_scan_keeps_the_input_dtype_and_accumulates_in_fp32(dtype, tolerance):
     inputs = ssd_inputs(LENGTHS, dtype=dtype)
@@ -552,20 +567,27 @@ def test_a_mamba_ssm_that_fails_to_import_leaves_no_stand_in(clean_modules, tmp_
     assert kernels.STAND_IN not in sys.modules and "mamba_ssm" not in sys.modules
 
 
+@pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("scale_input", [True, False])
-def test_the_kernel_call_gives_mamba_chunk_scan_combined_what_it_expects(monkeypatch, scale_input):
+def test_the_kernel_call_gives_mamba_chunk_scan_combined_what_it_expects(monkeypatch, scale_input, skip):
     # The GPU kernel itself is tested in test_ssm_gpu.py; here a stand-in with its contract checks the call.
-    def combined(x, dt, A, B, C, chunk_size, seq_idx):
+    def combined(x, dt, A, B, C, chunk_size, D, seq_idx):
         assert x.shape[0] == dt.shape[0] == B.shape[0] == C.shape[0] == seq_idx.shape[0] == 1  # one packed sequence
         assert dt.dtype == A.dtype == torch.float32 and seq_idx.dtype == torch.int32 and chunk_size == 4
         lengths = torch.unique_consecutive(seq_idx[0], return_counts=True)[1].tolist()
         y, _ = reference_ssd(x[0], dt[0], A, B[0], C[0], lengths, scale_input=True)  # it always scales by dt
+        if D is not None:
+            y = y + D[:, None] * x[0]  # y += D·x, x being what it is given
         return y[None].to(x.dtype)
 
     monkeypatch.setattr(kernels, "_chunk_scan_combined", lambda: combined)
     x, dt, A, B, C = ssd_inputs(LENGTHS, dtype=torch.float32)
-    y = kernels.mamba_chunk_scan(x, dt, A, B, C, Batch(LENGTHS).document_index, chunk_size=4, scale_input=scale_input)
+    D = torch.randn(x.shape[1], generator=torch.Generator().manual_seed(9)) if skip else None
+    document_index = Batch(LENGTHS).document_index
+    y = kernels.mamba_chunk_scan(x, dt, A, B, C, document_index, chunk_size=4, D=D, scale_input=scale_input)
     expected, _ = reference_ssd(x, dt, A, B, C, LENGTHS, scale_input=scale_input)
+    if skip:
+        expected = expected + D.double()[:, None] * x.double()
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 

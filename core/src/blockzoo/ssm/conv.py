@@ -35,63 +35,54 @@ def causal_conv1d(
     x: [tokens, channels]; weight: [channels, kernel_size] (mamba_ssm's / HF's `conv1d.weight[:, 0, :]`);
     bias: [channels] or None; activation: None or "silu". With `state` ([sequences, channels, kernel_size - 1],
     generation), taps before this batch's first token of a sequence read that sequence's stored inputs, and the
-    state is overwritten in place with each sequence's last kernel_size - 1 inputs. Computed in fp32 (float64 for
+    state is overwritten in place with each sequence's last kernel_size - 1 inputs. Accumulated in fp32 (float64 for
     float64 inputs); the output has the dtype of `x`.
     """
     _check(x, weight, bias, batch, activation, state)
-    compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    taps = weight.to(compute_dtype)
-    if state is None or state.shape[-1] == 0:  # (a kernel of size 1 stores nothing)
-        output = _masked_taps(x.to(compute_dtype), taps, positions_in_batch(batch))
-    else:
-        rows = _state_rows(batch, weight.shape[1] - 1)
-        extended = _with_stored_inputs(x.to(compute_dtype), state, rows)
-        output = _masked_taps(extended, taps, rows["positions"])[rows["tokens"]]
+    kernel_size = weight.shape[1]
+    # cuDNN's depthwise conv accumulates in fp32 whatever the dtype; the CPU's accumulates in the dtype, so fp32.
+    compute_dtype = x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
+    rows = _state_rows(batch, kernel_size - 1)
+    extended = _with_stored_inputs(x.to(compute_dtype), state, rows)
+    # One convolution over the documents, each preceded by its kernel_size - 1 stored inputs (zeros without a
+    # state), so no tap reaches into the previous document; output row r belongs to the token in extended row
+    # r + kernel_size - 1.
+    output = F.conv1d(
+        extended.t().unsqueeze(0),
+        weight.to(compute_dtype).unsqueeze(1),
+        None if bias is None else bias.to(compute_dtype),
+        groups=x.shape[1],
+    )[0].t()[rows["tokens"] - (kernel_size - 1)]
+    if state is not None and kernel_size > 1:
         with torch.no_grad():
             state.copy_(extended[rows["last"]].unflatten(0, (batch.num_documents, -1)).transpose(1, 2))
-    if bias is not None:
-        output = output + bias.to(compute_dtype)
     if activation == "silu":
         output = F.silu(output)
     return output.to(x.dtype)
 
 
-def _masked_taps(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Σ_j weight[:, -1 - j] · x_{t-j} over the taps j that stay inside the token's document (positions >= j)."""
-    kernel_size = weight.shape[1]
-    output = x * weight[:, -1]
-    for shift in range(1, kernel_size):
-        shifted = F.pad(x, (0, 0, shift, 0))[: len(x)]
-        inside = (positions >= shift).unsqueeze(-1)
-        output = output + torch.where(inside, shifted, 0.0) * weight[:, -1 - shift]
-    return output
-
-
 def _state_rows(batch: Batch, stored: int) -> dict[str, torch.Tensor]:
-    """Row indices of the extended sequence where each document is preceded by its `stored` cached inputs."""
+    """Row indices of the extended sequence where each document is preceded by `stored` rows (its cached inputs)."""
 
     def compute() -> dict[str, torch.Tensor]:
         documents = torch.arange(batch.num_documents, device=batch.device)
         offsets = torch.arange(stored, device=batch.device)
-        tokens = torch.arange(batch.num_tokens, device=batch.device) + (batch.document_index + 1) * stored
         first = batch.cu_seqlens[:-1].to(torch.int64) + documents * stored
         end = batch.cu_seqlens[1:].to(torch.int64) + (documents + 1) * stored
-        positions = torch.empty(batch.num_tokens + batch.num_documents * stored, dtype=torch.int64, device=batch.device)
-        positions[tokens] = positions_in_batch(batch) + stored
-        positions[(first[:, None] + offsets).flatten()] = offsets.repeat(batch.num_documents)
         return {
-            "tokens": tokens,
+            "tokens": torch.arange(batch.num_tokens, device=batch.device) + (batch.document_index + 1) * stored,
             "stored": (first[:, None] + offsets).flatten(),
             "last": (end[:, None] - stored + offsets).flatten(),
-            "positions": positions,
         }
 
     return batch.preprocessed(("blockzoo.ssm", "conv_state_rows", stored), compute)
 
 
-def _with_stored_inputs(x: torch.Tensor, state: torch.Tensor, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-    extended = x.new_zeros(len(rows["positions"]), x.shape[1])
+def _with_stored_inputs(x: torch.Tensor, state: torch.Tensor | None, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    extended = x.new_zeros(len(rows["tokens"]) + len(rows["stored"]), x.shape[1])
     extended = extended.index_put((rows["tokens"],), x)
+    if state is None or state.shape[-1] == 0:
+        return extended
     stored = state.detach().transpose(1, 2).flatten(0, 1).to(x.dtype)
     return extended.index_put((rows["stored"],), stored)
 

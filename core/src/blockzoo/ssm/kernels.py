@@ -78,6 +78,7 @@ def mamba_chunk_scan(
     document_index: torch.Tensor,
     *,
     chunk_size: int,
+    D: torch.Tensor | None,
     scale_input: bool,
 ) -> torch.Tensor:
     """`ssd_scan` through mamba_ssm's `mamba_chunk_scan_combined`, the packed documents told apart by `seq_idx`.
@@ -85,11 +86,25 @@ def mamba_chunk_scan(
     The kernel always scales the input by dt; without `scale_input` it is given x / dt instead.
     """
     dt = dt.float()  # the kernel takes dt to fp32 anyway; its gradient then adds up in fp32 too
+    skip = None if D is None else D.float()
     if not scale_input:
+        if skip is not None:  # The kernel's skip would read x / dt: D·x is added here instead.
+            y = mamba_chunk_scan(x, dt, A, B, C, document_index, chunk_size=chunk_size, D=None, scale_input=False)
+            return (y.float() + (skip if skip.ndim == 2 else skip[:, None]) * x.float()).to(y.dtype)
         x = (x.float() / dt.unsqueeze(-1)).to(x.dtype)
     seq_idx = document_index.to(device=x.device, dtype=torch.int32)[None]
-    output = _chunk_scan_combined()(x[None], dt[None], A.float(), B[None], C[None], chunk_size, seq_idx=seq_idx)
+    output = _chunk_scan_combined()(x[None], dt[None], A.float(), B[None], C[None], chunk_size, D=skip, seq_idx=seq_idx)
     return output[0]
+
+
+def mamba_gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, *, epsilon: float, group_size: int
+) -> torch.Tensor:
+    """`gated_rms_norm` through mamba_ssm's fused Triton kernel (forward and backward, statistics in fp32)."""
+    import_mamba_ssm()
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+
+    return rmsnorm_fn(x, weight, None, z=gate, eps=epsilon, group_size=group_size, norm_before_gate=False)
 
 
 @functools.cache

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from blockzoo.ssm.kernels import mamba_gated_rms_norm, mamba_ssm_available
+
 
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, *, epsilon: float, group_size: int
@@ -13,7 +15,8 @@ def gated_rms_norm(
 
     x, gate: [..., channels] (gate None: a plain grouped RMSNorm); weight: [channels]. Computed in fp32 (float64
     for float64 inputs); the output has the dtype of `x`. group_size = channels normalizes over all channels (HF
-    Mamba2, Bamba); channels / groups per group matches mamba_ssm's Mamba2, NemotronH and Zamba2.
+    Mamba2, Bamba); channels / groups per group matches mamba_ssm's Mamba2, NemotronH and Zamba2. On CUDA with
+    mamba_ssm installed, its fused Triton kernel computes the same.
     """
     channels = x.shape[-1]
     if gate is not None and gate.shape != x.shape:
@@ -22,6 +25,8 @@ def gated_rms_norm(
         raise ValueError(f"gated_rms_norm: weight must have shape ({channels},), got {tuple(weight.shape)}")
     if group_size <= 0 or channels % group_size != 0:
         raise ValueError(f"gated_rms_norm: group_size ({group_size}) must divide the channels ({channels})")
+    if x.is_cuda and mamba_ssm_available():
+        return mamba_gated_rms_norm(x, gate, weight, epsilon=epsilon, group_size=group_size)
     dtype = torch.promote_types(x.dtype, torch.float32)
     hidden = x.to(dtype)
     if gate is not None:

@@ -26,11 +26,13 @@ def ssd_scan(
     batch: Batch,
     *,
     chunk_size: int,
+    D: torch.Tensor | None = None,
     scale_input: bool = True,
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba 2's scan: per document, s_t = exp(dt_t·A)·s_{t-1} + (dt_t if scale_input else 1)·x_t ⊗ B_t and
-    y_t = s_t · C_t.
+    y_t = s_t · C_t (+ D·x_t with a skip `D`: [heads], or [heads, head_size] for one per channel; fused into the
+    kernel on CUDA).
 
     x: [tokens, heads, head_size]; dt: [tokens, heads] (positive); A: [heads] (negative); B, C: [tokens, groups,
     state_size], head h reading group h // (heads // groups). No D skip and no gate. `state` (generation): None or
@@ -38,9 +40,20 @@ def ssd_scan(
     Returns y [tokens, heads, head_size] in the dtype of x.
     """
     _check_ssd(x, dt, A, B, C, batch, chunk_size, state)
+    if D is not None and D.shape not in ((x.shape[1],), x.shape[1:]):
+        raise ValueError(
+            f"ssd_scan: D must be [heads] or [heads, head_size] of x {tuple(x.shape)}, got {tuple(D.shape)}"
+        )
     if state is None and x.is_cuda and mamba_ssm_available():
-        return mamba_chunk_scan(x, dt, A, B, C, batch.document_index, chunk_size=chunk_size, scale_input=scale_input)
-    return _chunked_ssd(x, dt, A, B, C, batch, chunk_size=chunk_size, scale_input=scale_input, state=state)
+        return mamba_chunk_scan(
+            x, dt, A, B, C, batch.document_index, chunk_size=chunk_size, D=D, scale_input=scale_input
+        )
+    y = _chunked_ssd(x, dt, A, B, C, batch, chunk_size=chunk_size, scale_input=scale_input, state=state)
+    if D is None:
+        return y
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    skip = D.to(dtype) if D.ndim == 2 else D.to(dtype)[:, None]
+    return (y.to(dtype) + skip * x.to(dtype)).to(y.dtype)
 
 
 def selective_scan(

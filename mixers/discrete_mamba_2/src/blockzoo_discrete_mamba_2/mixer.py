@@ -145,10 +145,11 @@ class DiscreteMamba2(Mixer):
             c,
             batch,
             chunk_size=config.chunk_size,
+            D=self.d,
             scale_input=False,
             state=None if state is None else state.ssm,
         )
-        y = (y + self.d.to(x.dtype)[:, None] * x).reshape(tokens, -1)
+        y = y.reshape(tokens, -1)
         z = projected[:, z_slice]
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)

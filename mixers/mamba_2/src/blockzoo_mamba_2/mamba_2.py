@@ -176,10 +176,9 @@ class Mamba2(Mixer):
             c.unflatten(-1, (-1, config.state_size)),
             batch,
             chunk_size=config.chunk_size,
+            D=self.d.view(-1, config.head_size) if config.d_per_channel else self.d,
             state=None if state is None else state.ssm,
         )
-        d = self.d.float().view(-1, config.head_size) if config.d_per_channel else self.d.float()[:, None]
-        y = (y.float() + d * x.float()).to(x.dtype)
         return self.out_proj(self.normalization(y.flatten(1), z))
 
     def _check_state(self, state: Mamba2State, batch: Batch) -> None:
