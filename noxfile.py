@@ -81,17 +81,20 @@ def template(session: nox.Session) -> None:
     install(session, Path("core"), extra=None)
     session.install("copier>=9")
     root = Path(tempfile.mkdtemp(prefix="blockzoo-template-"))
+    kinds = ("mixer", "mlp")
     try:
-        for kind in ("mixer", "mlp"):
+        for kind in kinds:
             project = root / kind
             answers = ["--data", f"plugin_name=template_{kind}", "--data", f"kind={kind}"]
             session.run(
                 "copier", "copy", "--defaults", "--quiet", *answers, str(ROOT / "plugins" / "template"), str(project)
             )
-            session.install("-e", f"{project}[test]")
+            session.install(f"{project}[test]")  # as a user installs it (not editable)
             with session.chdir(project):
                 session.run("pytest", "-n", "auto", "tests", *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
     finally:
+        # The reused environment must not keep plugins of a template that may change before the next run.
+        session.run("python", "-m", "pip", "uninstall", "--yes", *(f"blockzoo-template-{kind}" for kind in kinds))
         shutil.rmtree(root)
 
 

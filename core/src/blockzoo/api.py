@@ -22,6 +22,24 @@ from blockzoo.config import (
     structure,
     to_dict,
 )
+from blockzoo.conversion import (
+    CheckpointFormat,
+    Computed,
+    ComputedWeights,
+    Concatenated,
+    ConfigMapping,
+    Constant,
+    ConversionError,
+    Fixed,
+    Ignored,
+    Nested,
+    Part,
+    Rename,
+    Section,
+    Weight,
+    WeightMapping,
+    transformers_activation,
+)
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
 from blockzoo.layers.config import (
@@ -113,6 +131,23 @@ __all__ = [
     "hookimpl",
     "structure",
     "to_dict",
+    # Converter sections (blockzoo.conversion)
+    "CheckpointFormat",
+    "Computed",
+    "ComputedWeights",
+    "Concatenated",
+    "ConfigMapping",
+    "Constant",
+    "ConversionError",
+    "Fixed",
+    "Ignored",
+    "Nested",
+    "Part",
+    "Rename",
+    "Section",
+    "Weight",
+    "WeightMapping",
+    "transformers_activation",
     *_LAZY,
 ]
 

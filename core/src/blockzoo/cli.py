@@ -55,12 +55,27 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.set_defaults(run=_generate)
 
+    convert = commands.add_parser(
+        "convert", help="convert a checkpoint between blockzoo and another format (e.g. Hugging Face), streaming"
+    )
+    convert.add_argument("source", metavar="SRC", help="a checkpoint: blockzoo (or a run's output_dir), Hugging Face")
+    convert.add_argument("destination", metavar="DST", help="a new (or empty) directory")
+    convert.add_argument(
+        "--format", help="the format to write: llama, mistral, ... (see `blockzoo plugins`); default: blockzoo"
+    )
+    convert.add_argument("--dtype", help="the tensors' dtype in an exported checkpoint: float32, bfloat16, float16")
+    convert.set_defaults(run=_convert)
+
     from blockzoo.data.cli import register_data_command
 
     register_data_command(commands)
 
-    config = commands.add_parser("config", help="validate a config and print it resolved")
-    config.add_argument("path", metavar="CONFIG", help="a YAML run config")
+    config = commands.add_parser(
+        "config", help="validate a config and print it resolved; `config schema`: the reference of every config"
+    )
+    config.add_argument(
+        "path", metavar="CONFIG", help="a YAML run config; `schema` prints the config reference (markdown) instead"
+    )
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.hidden_size=512")
     config.add_argument("--explicit", action="store_true", help="print only what the file and overrides set")
     config.set_defaults(run=_config)
@@ -119,12 +134,33 @@ def _generate(arguments: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# blockzoo convert
+
+
+def _convert(arguments: argparse.Namespace) -> int:
+    from blockzoo.model.factory import convert
+
+    options = {} if arguments.dtype is None else {"dtype": arguments.dtype}
+    destination = convert(arguments.source, arguments.destination, format=arguments.format, **options)
+    print(f"wrote {destination} ({arguments.format or 'blockzoo'})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # blockzoo config
 
 
 def _config(arguments: argparse.Namespace) -> int:
     from blockzoo.config import load, to_yaml
     from blockzoo.run_config import RunConfig
+
+    if arguments.path == "schema":  # (a file named `schema` is ./schema)
+        if arguments.overrides or arguments.explicit:
+            raise UsageError("`blockzoo config schema` takes no overrides and no --explicit")
+        from blockzoo.schema import config_reference
+
+        print(config_reference(), end="")
+        return 0
 
     print(to_yaml(load(RunConfig, arguments.path, arguments.overrides), explicit_only=arguments.explicit), end="")
     return 0

@@ -92,7 +92,10 @@ class HookSpecs:
 
     @hookspec
     def register_converters(self, register: Callable) -> None:
-        """`register(format, section)` for each checkpoint-format section the plugin contributes."""
+        """`register(format, section)` for each checkpoint-format section the plugin contributes: a
+        `blockzoo.api.Section` says how one of its config classes (fields and weights) is written in the format
+        named `format` (e.g. Hugging Face `llama`); a converter plugin registers the format itself the same way,
+        `register(name, checkpoint_format)` with a `blockzoo.api.CheckpointFormat`. See `blockzoo.conversion`."""
 
     @hookspec
     def plugin_info(self) -> PluginInfo:

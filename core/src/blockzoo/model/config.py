@@ -121,6 +121,12 @@ class ModelConfig(Config):
     lr_scale: float | None = field(
         None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0)
     )
+    pretrained: str | None = field(
+        None,
+        doc="Start from this checkpoint: a blockzoo checkpoint or run directory, or a Hugging Face directory. Its "
+        "model config, updated with the fields given beside this one, and its weights. Consumed when the model is "
+        "built: the built model's config (and its checkpoints) has none.",
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.tied_embedding_weight and self.head.output_weight != ParameterConfig():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,11 +13,20 @@ from blockzoo.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
-from blockzoo.config import ConfigError, merge, structure
+from blockzoo.config import ConfigError, merge, structure, to_dict, update
 from blockzoo.config import load as load_config
+from blockzoo.conversion import (
+    CheckpointFormat,
+    ConversionError,
+    checkpoint_formats,
+    detect_format,
+    get_format,
+    read_json,
+)
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel
+from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 
 
@@ -36,20 +46,31 @@ def as_run_config(config: RunConfig | ModelConfig | Mapping | str | Path) -> Run
 def build(
     config: RunConfig | ModelConfig | Mapping | str | Path, *, distributed: Distributed | None = None
 ) -> LanguageModel:
-    """Build a model with freshly initialized weights (reproducible from `distributed.seed`)."""
+    """Build a model with freshly initialized weights (reproducible from `distributed.seed`), or, when
+    `model.pretrained` names a checkpoint, with that checkpoint's architecture (updated with the other model fields
+    given) and weights."""
     run_config = as_run_config(config)
+    source = run_config.model.pretrained
+    if source is not None:
+        run_config = with_pretrained_config(run_config, source)
     model = LanguageModel(run_config.model, distributed or Distributed(run_config.distributed))
     model.run_config = run_config
+    if source is not None:
+        load_pretrained_weights(model, source)
     return model
 
 
 def load(path: str | Path, *, distributed: Distributed | None = None) -> LanguageModel:
-    """A model from a native checkpoint directory, or a run's output directory (its latest checkpoint).
+    """A model from a native checkpoint directory, a run's output directory (its latest checkpoint), or a checkpoint
+    of another format a converter plugin reads (a Hugging Face directory: its format found from config.json).
 
     Without `distributed`, the model runs in this process alone, whatever parallel layout saved the checkpoint
     (its tensors are global); pass a `Distributed` to load it into a parallel layout.
     """
-    directory = _checkpoint_directory(Path(path))
+    path = Path(path)
+    if (foreign := _foreign_format(path)) is not None:
+        return _load_foreign(foreign, path, distributed)
+    directory = _checkpoint_directory(path)
     data = read_checkpoint_config(directory)
     if distributed is None:
         data = merge(data, {"distributed": {"tensor_parallel": 1, "sequence_tensor_parallel": False}})
@@ -59,10 +80,11 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     return model
 
 
-def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo") -> Path:
-    """Write `model` as a native checkpoint (weights and config) at `path`."""
+def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", **options) -> Path:
+    """Write `model` at `path` as a native checkpoint (weights and config), or in another `format` a converter
+    plugin provides (e.g. `llama`; `options` are the format's, e.g. `dtype="bfloat16"`). Every rank calls it."""
     if format != "blockzoo":
-        raise ValueError(f"unknown checkpoint format {format!r}; available: blockzoo")
+        return get_format(format).save(model, Path(path), **options)
     run_config = getattr(model, "run_config", None) or RunConfig(
         model=model.config, distributed=model.distributed.config
     )
@@ -70,11 +92,89 @@ def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo") ->
     return Path(path)
 
 
+def convert(source: str | Path, destination: str | Path, *, format: str | None = None, **options) -> Path:
+    """Convert a checkpoint: a native one (or a run's latest) into `format`, or one of another format into a native
+    checkpoint (`format` None or "blockzoo") or into another `format` (through a native one). Streams the weights
+    one tensor at a time: memory holds about one shard, not the model. `options` go to the exporting format."""
+    source, destination = Path(source), Path(destination)
+    foreign = _foreign_format(source)
+    if foreign is None:
+        if format in (None, "blockzoo"):
+            raise ConversionError(f"{source} is a blockzoo checkpoint: give the format to convert it to (--format)")
+        return get_format(format).export_checkpoint(_checkpoint_directory(source), destination, **options)
+    if format in (None, "blockzoo"):
+        if options:
+            raise ConversionError(f"options {sorted(options)} apply to exports only")
+        return foreign.import_checkpoint(source, destination)
+    target = get_format(format)
+    staging = destination.parent / f".{destination.name}.native"
+    if staging.exists():
+        shutil.rmtree(staging)
+    try:
+        foreign.import_checkpoint(source, staging)
+        return target.export_checkpoint(staging, destination, **options)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def with_pretrained_config(run_config: RunConfig, source: str | Path) -> RunConfig:
+    """`run_config` whose model is the checkpoint's at `source`, updated with the model fields `run_config` gives
+    (`pretrained` consumed: None)."""
+    given = to_dict(run_config.model, explicit_only=True)
+    given.pop("pretrained", None)
+    model = merge(pretrained_model_config(source), given)
+    return update(run_config, {"model": {**model, "pretrained": None}})
+
+
+def pretrained_model_config(source: str | Path) -> dict:
+    """The model config (plain data) of a checkpoint of any format."""
+    source = Path(source)
+    if (foreign := _foreign_format(source)) is not None:
+        return foreign.read_model_config(source)
+    return read_checkpoint_config(_checkpoint_directory(source)).get("model", {})
+
+
+def load_pretrained_weights(model: LanguageModel, source: str | Path, distributed: Distributed | None = None) -> None:
+    """Fill `model`'s parameters (this rank's shards) from a checkpoint of any format."""
+    source, distributed = Path(source), distributed or model.distributed
+    if (foreign := _foreign_format(source)) is not None:
+        foreign.load_weights(source, model, distributed)
+    else:
+        load_checkpoint(_checkpoint_directory(source), model=model, distributed=distributed)
+
+
+def _load_foreign(foreign: CheckpointFormat, path: Path, distributed: Distributed | None) -> LanguageModel:
+    model_config = structure(foreign.read_model_config(path), ModelConfig, source=str(path), root="model")
+    run_config = RunConfig(model=model_config)
+    model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
+    foreign.load_weights(path, model, model.distributed)
+    return model
+
+
+def _foreign_format(path: Path) -> CheckpointFormat | None:
+    """The format of a checkpoint that is not blockzoo's own (None for a native checkpoint or run directory)."""
+    if (path / "metadata.yaml").is_file() or not (path / "config.json").is_file():
+        return None
+    found = detect_format(path)
+    if found is not None:
+        return found
+    try:
+        model_type = read_json(path / "config.json").get("model_type")
+    except ConversionError:
+        model_type = None
+    described = f"a Hugging Face checkpoint of model_type {model_type!r}" if model_type else "a Hugging Face checkpoint"
+    registry = get_registry()
+    if not any(record.distribution == "blockzoo-huggingface" for record in registry.plugins.values()):
+        raise CheckpointError(path, f"is {described}; importing it needs the blockzoo-huggingface plugin")
+    formats = ", ".join(name for name in checkpoint_formats()) or "none"
+    raise CheckpointError(
+        path, f"is {described}, which no installed converter reads (blockzoo-huggingface reads: {formats})"
+    )
+
+
 def _checkpoint_directory(path: Path) -> Path:
     if (path / "metadata.yaml").is_file():
         return path
-    if (path / "config.json").is_file():
-        raise CheckpointError(path, "is a Hugging Face checkpoint; importing it needs the blockzoo-huggingface plugin")
     latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
         raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from blockzoo.config import Config, PolymorphicConfig, at_least, check, configclass, field, greater_than
+from blockzoo.config import (
+    Config,
+    ConfigFieldError,
+    PolymorphicConfig,
+    at_least,
+    check,
+    configclass,
+    field,
+    greater_than,
+)
 
 
 @configclass
@@ -70,3 +79,21 @@ class TrainingConfig(Config):
         doc="The device's peak for MFU; None: known GPUs (H100/H200: 989), else MFU is not reported.",
         validator=greater_than(0),
     )
+    export_format: str | None = field(
+        None,
+        doc="At the end, also write the model in this checkpoint format (e.g. `llama`: a Hugging Face directory "
+        "transformers loads). None: no export.",
+    )
+    export_dir: str | None = field(
+        None, doc="Where the export goes (a new or empty directory). None: `<output_dir>/<export_format>`."
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(self.export_format is not None or self.export_dir is None, "export_dir", "needs an export_format")
+        if self.export_format is not None:
+            from blockzoo.conversion import ConversionError, get_format
+
+            try:
+                get_format(self.export_format)
+            except ConversionError as error:
+                raise ConfigFieldError("export_format", str(error)) from None

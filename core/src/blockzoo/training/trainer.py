@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 
 from blockzoo.checkpoint import keep_last, latest_checkpoint, load_checkpoint, save_checkpoint
+from blockzoo.conversion import get_format
 from blockzoo.data.dataset import build_dataset
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import IGNORE_INDEX, Batch
+from blockzoo.model.factory import convert, load_pretrained_weights, with_pretrained_config
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
@@ -52,12 +54,19 @@ class Trainer:
     def __init__(
         self, run_config: RunConfig, *, distributed: Distributed | None = None, log: Callable[[str], None] | None = None
     ):
+        self.output_dir = Path(run_config.training.output_dir)
+        run_config, pretrained = self._resolve_pretrained(run_config)
         self.run_config = run_config
         self.config = run_config.training
         self.distributed = distributed or Distributed(run_config.distributed)
         self._log = log or _print
+        if self.config.export_format is not None:  # refuse a model the format cannot hold before training it
+            get_format(self.config.export_format).check_model_config(run_config.model)
         torch.manual_seed(run_config.distributed.seed)
         self.model = LanguageModel(run_config.model, self.distributed)
+        if pretrained is not None:
+            load_pretrained_weights(self.model, pretrained, self.distributed)
+            self.log(f"initialized from {pretrained}")
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
         self.data = build_dataset(
@@ -67,7 +76,16 @@ class Trainer:
         self.data_position: Any = None
         self.history: list[StepRecord] = []
         self.evaluations: list[tuple[int, float]] = []
-        self.output_dir = Path(self.config.output_dir)
+
+    def _resolve_pretrained(self, run_config: RunConfig) -> tuple[RunConfig, str | None]:
+        """With `model.pretrained`: the run config with the checkpoint's model (updated with the model fields given),
+        and where to take the initial weights from (None when resuming: the latest checkpoint has them, and its
+        config is the one to start from)."""
+        source = run_config.model.pretrained
+        if source is None:
+            return run_config, None
+        last = latest_checkpoint(self.output_dir)
+        return with_pretrained_config(run_config, last or source), None if last else source
 
     def _data_rank(self) -> dict[str, int]:
         # Tensor-parallel ranks of one data-parallel rank read the same data.
@@ -81,6 +99,7 @@ class Trainer:
 
     def run(self) -> list[StepRecord]:
         self._resume()
+        trained = self.step < self.config.train_iters
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = _Throughput(self._peak_flops())
         while self.step < self.config.train_iters:
@@ -102,6 +121,8 @@ class Trainer:
             interval = self.config.checkpoint_interval
             if (interval and self.step % interval == 0) or self.step == self.config.train_iters:
                 self.save()
+        if trained and self.config.export_format is not None:
+            self.export()
         return self.history
 
     def _train_step(self, micro_batches: list) -> StepRecord:
@@ -223,6 +244,26 @@ class Trainer:
             keep_last(self.output_dir, self.config.checkpoint_keep)
         self.log(f"saved checkpoint {directory}")
         return directory
+
+    def export(self) -> Path:
+        """Convert the latest checkpoint to `training.export_format` (rank 0 writes; the others wait for it)."""
+        export_format = self.config.export_format
+        destination = Path(self.config.export_dir or self.output_dir / export_format)
+        failure: BaseException | None = None
+        if self.distributed.rank == 0:
+            try:
+                convert(latest_checkpoint(self.output_dir), destination, format=export_format)
+            except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+                failure = error
+        if self.distributed.world_size > 1:
+            failed = torch.tensor([failure is not None], dtype=torch.int32, device=self.distributed.device)
+            dist.broadcast(failed, src=0)
+            if failed.item() and failure is None:
+                raise TrainingError(f"rank 0 failed to export to {destination} (its error is in its log)")
+        if failure is not None:
+            raise failure
+        self.log(f"exported {destination} ({export_format})")
+        return destination
 
     def _resume(self) -> None:
         last = latest_checkpoint(self.output_dir)

@@ -25,3 +25,10 @@ def register_components(register) -> None:
     register("default", config.DefaultRotaryConfig, "blockzoo_attention.rotary:default_frequencies")
     register("llama3", config.Llama3RotaryConfig, "blockzoo_attention.rotary:llama3_frequencies")
     register("yarn", config.YarnRotaryConfig, "blockzoo_attention.rotary:yarn_frequencies")
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_attention.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)

@@ -15,3 +15,10 @@ def plugin_info() -> PluginInfo:
 @hookimpl
 def register_mlps(register) -> None:
     register("mlp", DenseMLPConfig, "blockzoo_mlp.mlp:DenseMLP")
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_mlp.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)

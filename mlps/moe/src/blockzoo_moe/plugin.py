@@ -16,3 +16,10 @@ def plugin_info() -> PluginInfo:
 @hookimpl
 def register_mlps(register) -> None:
     register("moe", MoEMLPConfig, "blockzoo_moe.moe:MoEMLP")
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_moe.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)

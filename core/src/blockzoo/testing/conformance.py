@@ -1,0 +1,1079 @@
+"""The conformance kit: base test classes that check a mixer or MLP plugin against blockzoo's layer contract.
+
+A plugin author subclasses one in a test module and provides a small config of the plugin's type::
+
+    from blockzoo.testing import MixerConformance
+
+    class TestGatedConv(MixerConformance):
+        def config_factory(self):
+            return {"type": "shortconv.gated_conv", "channels": 16, "kernel_size": 3}
+
+pytest then runs every inherited `test_*` method on it. Each failure says what is wrong and what to change.
+Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_parallel_sizes`, `field_changes`,
+`field_exceptions`, `seed`); see `LayerConformance`. The checks (docs/plugins/write-a-mixer.md lists them):
+
+- discovery: the type is registered by an installed distribution through its `blockzoo.plugins` entry point, its
+  implementation is a `Mixer` / `MLP`, `plugin_info` lists the type's capabilities;
+- config: plain data ↔ config round trip (also through YAML), unknown keys refused, every field documented, the
+  default config builds, the config and hook modules import no torch;
+- the layer: output shape and dtype (fp32 and bf16), construction on the meta device then `materialize`, packed
+  documents equal separate runs (outputs and gradients), every config field changes the parameters or the
+  outputs, every trainable parameter receives a gradient;
+- declared capabilities: `tensor_parallel` (and `sequence_tensor_parallel`) on gloo ranks against one process,
+  outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
+- a model using the layer survives a checkpoint save / load; `flops` is reported and scales with the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+import os
+import subprocess
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from types import UnionType
+from typing import Any, ClassVar, Literal
+
+import attrs
+import pytest
+import torch
+import yaml
+
+import blockzoo
+from blockzoo.config import Config, ConfigError, PolymorphicConfig, merge, structure, to_dict
+from blockzoo.conversion import (
+    TRAINING_FIELDS,
+    ConversionError,
+    Ignored,
+    Section,
+    claimed_keys,
+    expand_weights,
+    export_config,
+    import_config,
+    sections,
+    unclaimed_fields,
+)
+from blockzoo.distributed.config import DistributedConfig
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import MLP, Batch, Layer, Mixer
+from blockzoo.layers.config import (
+    GENERATION_CACHE,
+    SEQUENCE_TENSOR_PARALLEL,
+    TENSOR_PARALLEL,
+    MixerConfig,
+    MLPConfig,
+)
+from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.parameter import materialize
+from blockzoo.plugins import ENTRY_POINT_GROUP, TypeEntry, get_registry
+from blockzoo.testing.distributed import run_distributed
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ConformanceError(AssertionError):
+    """A plugin does not meet the layer contract; the message says what to change."""
+
+
+def _fail(message: str) -> typing.NoReturn:
+    raise ConformanceError(message)
+
+
+class LayerConformance:
+    """Checks shared by mixers and MLPs. Subclass `MixerConformance` or `MLPConformance`, not this."""
+
+    kind: ClassVar[str]
+    kind_config: ClassVar[type[PolymorphicConfig]]
+    layer_base: ClassVar[type[Layer]]
+
+    # -- options: override as class attributes -----------------------------------------------------------------------
+    hidden_size: ClassVar[int] = 16
+    # The documents of the packed test batch: a one-token document, lengths that are multiples of nothing in
+    # particular, 12 tokens in all so that sequence-tensor-parallel splits them between 2, 3, 4 or 6 ranks.
+    lengths: ClassVar[tuple[int, ...]] = (5, 1, 6)
+    # fp32 comparisons (packed vs separate, parallel vs single process, decoding vs full forward).
+    tolerance: ClassVar[Mapping[str, float]] = {"atol": 1e-5, "rtol": 1e-5}
+    # Tensor-parallel sizes checked when the type declares tensor_parallel (one set of gloo processes per size).
+    tensor_parallel_sizes: ClassVar[tuple[int, ...]] = (2,)
+    # Field name -> an update of the config that should change the layer, for fields whose change the kit cannot
+    # derive (strings, lists) or that need other fields set with them: {"activation": {"activation": "relu"}}.
+    field_changes: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    # Field name -> why no change of it shows in one process (e.g. "picks the kernel; every kernel computes the same").
+    field_exceptions: ClassVar[Mapping[str, str]] = {}
+    seed: ClassVar[int] = 1234
+
+    def config_factory(self) -> Mapping[str, Any] | Config:
+        """A small config of the plugin's type: plain data as in a YAML file (with its `type`), or a config."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must define config_factory(self) returning a small config of the plugin's type, "
+            'e.g. {"type": "myplugin.my_mixer", "channels": 16}'
+        )
+
+    # -- discovery and config ----------------------------------------------------------------------------------------
+
+    def test_discovered_through_its_entry_point(self) -> None:
+        entry = self._entry()
+        record = entry.plugin
+        if record.distribution is None:
+            _fail(
+                f"{self.kind} type {entry.name!r} is registered by plugin {record.name!r}, which no installed "
+                f"distribution provides (it was registered in-process). Install your distribution (`pip install -e .`) "
+                f'with the entry point `[project.entry-points."{ENTRY_POINT_GROUP}"] {record.name} = '
+                '"<package>.plugin"` in its pyproject.toml.'
+            )
+        declared = [
+            entry_point
+            for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=record.name)
+            if entry_point.dist is not None and entry_point.dist.name == record.distribution
+        ]
+        if not declared:
+            _fail(
+                f"{record.distribution} registers {entry.name!r} but declares no {ENTRY_POINT_GROUP!r} entry point "
+                f"named {record.name!r}; reinstall it after fixing its pyproject.toml"
+            )
+        if record.conflicts:
+            _fail(f"plugin {record.label} conflicts with another plugin over {', '.join(record.conflicts)}: rename")
+        implementation = self._implementation(entry)
+        if not (isinstance(implementation, type) and issubclass(implementation, self.layer_base)):
+            _fail(
+                f"the implementation {entry.implementation!r} of {entry.name!r} is {implementation!r}; it must be a "
+                f"subclass of blockzoo.api.{self.layer_base.__name__}, built as Impl(config, *, name, hidden_dim, "
+                "distributed, lr_scale)"
+            )
+        if record.info is None:
+            _fail(
+                f"plugin {record.label} has no plugin_info hook: add `@hookimpl def plugin_info(): return "
+                "PluginInfo(capabilities=..., description=...)` to its hook module (it reports the plugin API version "
+                "it was written for)"
+            )
+        missing = sorted(entry.config_class.capabilities - set(record.info.capabilities))
+        if missing:
+            _fail(
+                f"{entry.config_class.__name__} declares {', '.join(missing)} but plugin_info().capabilities of "
+                f"{record.label} does not list it; `blockzoo plugins` shows plugin_info's list: return "
+                f"PluginInfo(capabilities=tuple(sorted({entry.config_class.__name__}.capabilities)), ...)"
+            )
+
+    def test_config_round_trip(self) -> None:
+        config = self._config()
+        data = to_dict(config)
+        again = self._structure(data, "the data of to_dict(config)")
+        if again != config:
+            _fail(
+                f"structure(to_dict(config)) differs from config:\n  {again!r}\n  {config!r}\n"
+                "Every field must survive plain data: use blockzoo field types (int, float, bool, str, Literal, "
+                "configs, lists, dicts) and no state outside the attrs fields."
+            )
+        if yaml.safe_load(yaml.safe_dump(data)) != data:
+            _fail(f"to_dict(config) does not survive YAML (checkpoints store config.yaml): {data!r}")
+        explicit = self._structure(to_dict(config, explicit_only=True), "to_dict(config, explicit_only=True)")
+        if explicit != config:
+            _fail(f"the explicit fields alone do not give the config back:\n  {explicit!r}\n  {config!r}")
+        self._structure({"type": self._entry().name}, "the default config (`blockzoo plugins --check` builds it)")
+
+    def test_unknown_keys_are_rejected(self) -> None:
+        data = {**self._data(), "no_such_field": 1}
+        try:
+            structure(data, self.kind_config)
+        except ConfigError as error:
+            if not any(path == "no_such_field" and "unknown key" in message for path, message in error.errors):
+                _fail(f"an unknown key was refused, but not by name: {error}")
+            return
+        _fail(
+            "a config with an unknown key `no_such_field` was accepted: declare the config class with "
+            "blockzoo.api.configclass and its fields with blockzoo.api.field (blockzoo's converter refuses unknown "
+            "keys)"
+        )
+
+    def test_every_field_is_documented(self) -> None:
+        config_class = type(self._config())
+        undocumented = [f.name for f in attrs.fields(config_class) if not f.metadata.get("doc")]
+        if undocumented:
+            _fail(
+                f"fields of {config_class.__name__} without a doc: {', '.join(undocumented)}. Declare each with "
+                '`field(default, doc="...")`: `blockzoo config schema` prints the doc in the config reference.'
+            )
+
+    def test_config_and_hook_modules_import_no_torch(self) -> None:
+        entry = self._entry()
+        modules = [entry.config_class.__module__]
+        if entry.plugin.module is not None and hasattr(entry.plugin.module, "__name__"):
+            modules.append(entry.plugin.module.__name__)
+        script = (
+            "import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    if 'torch' in sys.modules:\n"
+            "        raise SystemExit(f'importing {name} imported torch')\n"
+        )
+        # The modules this process can import (an uninstalled src layout, a test directory) are importable there too.
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environment
+        )
+        if result.returncode:
+            _fail(
+                f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'failed'}. A plugin's config "
+                "and hook modules must not import torch: blockzoo imports them to list plugins and validate configs. "
+                "Import torch only in the layer module that the 'module:Class' implementation string names."
+            )
+
+    # -- the layer on one process ------------------------------------------------------------------------------------
+
+    def test_output_shape_and_dtype(self) -> None:
+        for dtype_name, dtype in _DTYPES.items():
+            layer = self._build(self._config(), self._single_process(dtype_name))
+            for name, parameter in layer.named_parameters():
+                if parameter.dtype != torch.float32:
+                    _fail(f"parameter {name!r} is {parameter.dtype}: master weights are fp32 (cast in forward)")
+            for lengths in (self.lengths, (1,)):
+                hidden = self._inputs(sum(lengths))[0].to(dtype)
+                with torch.no_grad():
+                    output = layer(hidden, Batch(lengths))
+                expected = (sum(lengths), self.hidden_size)
+                if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
+                    shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+                    _fail(
+                        f"the output of a batch of documents {list(lengths)} has shape {shape}, expected {expected} = "
+                        "[tokens, hidden]: a layer returns one hidden-size vector for each token it receives (project "
+                        "back to the hidden size, e.g. with an output Linear to `hidden_dim`)"
+                    )
+                if output.dtype != dtype:
+                    _fail(
+                        f"{dtype} input gave a {output.dtype} output: compute in the input's dtype (cast weights with "
+                        "`.to(hidden.dtype)`, as Linear does) and return it"
+                    )
+                if not bool(torch.isfinite(output).all()):
+                    _fail(f"the {dtype} output of documents {list(lengths)} is not finite")
+
+    def test_meta_device_construction(self) -> None:
+        config = self._config()
+        distributed = self._single_process()
+        direct = self._build(config, distributed)
+        meta_distributed = self._single_process()
+        meta_distributed.device = torch.device("meta")
+        try:
+            with torch.device("meta"):
+                lazy = self._build(config, meta_distributed)
+        except Exception as error:  # noqa: BLE001
+            _fail(
+                f"building the layer on the meta device failed ({type(error).__name__}: {error}): a layer's __init__ "
+                "creates parameters (on `distributed.device`) and computes nothing from tensor values"
+            )
+        allocated = [name for name, tensor in [*lazy.named_parameters(), *lazy.named_buffers()] if not tensor.is_meta]
+        if allocated:
+            _fail(
+                f"built on the meta device, {', '.join(allocated)} still got memory: create every tensor on "
+                "`distributed.device` (create_parameter and Linear do), so a large model can be built without memory "
+                "and materialized shard by shard"
+            )
+        without_meta = [name for name, parameter in lazy.named_parameters() if not hasattr(parameter, "meta")]
+        if without_meta:
+            _fail(
+                f"parameters {', '.join(without_meta)} were not made by blockzoo's parameter factory (no `.meta`): "
+                "make every parameter with blockzoo.api.create_parameter or Linear, so it is initialized reproducibly, "
+                "split between tensor-parallel ranks and checkpointed as a global tensor"
+            )
+        buffers = [name for name, _ in lazy.named_buffers()]
+        if buffers:
+            _fail(
+                f"buffers {', '.join(buffers)} are not restored by materialize: compute constant tensors in forward "
+                "(cached with batch.preprocessed) instead of registering buffers"
+            )
+        materialize(lazy, distributed)
+        for (name, parameter), expected in zip(lazy.named_parameters(), direct.parameters(), strict=True):
+            if not torch.equal(parameter, expected):
+                _fail(
+                    f"parameter {name!r} materialized from the meta device differs from a direct build: initialize "
+                    "only through create_parameter's settings (its initialization runs again in materialize)"
+                )
+        hidden, _ = self._inputs(sum(self.lengths))
+        with torch.no_grad():
+            self._assert_close(
+                lazy(hidden, Batch(self.lengths)),
+                direct(hidden, Batch(self.lengths)),
+                "the output of the materialized layer",
+                "keep no state outside parameters created by the factory",
+            )
+
+    def test_packed_documents_equal_separate_runs(self) -> None:
+        layer = self._build(self._config())
+        hidden, weights = self._inputs(sum(self.lengths))
+        packed = _run(layer, hidden, Batch(self.lengths), weights)
+        alone = [
+            _run(layer, document, Batch([len(document)]), document_weights)
+            for document, document_weights in zip(hidden.split(self.lengths), weights.split(self.lengths))
+        ]
+        fix = (
+            "Information crosses a document boundary: every token may see only tokens of its own document. Restart "
+            "convolutions, recurrences and attention at each document (batch.cu_seqlens, batch.document_index, "
+            "batch.positions); keep no state between calls"
+        )
+        starts = [sum(self.lengths[:index]) for index in range(len(self.lengths))]
+        for what in ("output", "input_grad"):
+            for index, (start, length, run) in enumerate(zip(starts, self.lengths, alone)):
+                where = f"document {index} (tokens {start}:{start + length} of the packed batch {list(self.lengths)})"
+                self._assert_close(
+                    getattr(packed, what)[start : start + length],
+                    getattr(run, what),
+                    f"the {what.replace('_grad', ' gradient')} of {where}",
+                    fix,
+                )
+        for name, gradient in packed.grads.items():
+            self._assert_close(
+                gradient, sum(run.grads[name] for run in alone), f"the gradient of {name!r}, packed vs summed", fix
+            )
+
+    def test_gradients_reach_every_parameter(self) -> None:
+        layer = self._build(self._config())
+        hidden, weights = self._inputs(sum(self.lengths))
+        hidden.requires_grad_()
+        batch = Batch(self.lengths)
+        loss = (layer(hidden, batch) * weights).sum() + sum(batch.losses.values(), torch.zeros(()))
+        loss.backward()
+        for name, parameter in layer.named_parameters():
+            if parameter.requires_grad and (parameter.grad is None or not bool(parameter.grad.any())):
+                _fail(
+                    f"parameter {name!r} received no gradient from a loss on the output: it is unused, or detached "
+                    "(.detach(), .data, torch.no_grad) in forward. Remove it, use it, or freeze it (lr_scale 0)"
+                )
+        if hidden.grad is None or not bool(hidden.grad.any()):
+            _fail("the input received no gradient: the output must depend on the input differentiably")
+
+    def test_every_field_changes_something(self) -> None:
+        config_class = type(self._config())
+        names = {f.name for f in attrs.fields(config_class)}
+        for option in ("field_exceptions", "field_changes"):
+            unknown = set(getattr(self, option)) - names
+            if unknown:
+                _fail(f"{option} names {', '.join(sorted(unknown))}, not fields of {config_class.__name__}")
+        empty = [name for name, reason in self.field_exceptions.items() if not str(reason).strip()]
+        if empty:
+            _fail(f"field_exceptions needs a reason for {', '.join(empty)}")
+        base = self._signature(self._config())
+        if _difference(base, self._signature(self._config())):
+            _fail(
+                "two builds of the same config differ: initialize only through create_parameter (seeded by the run's "
+                "seed and the parameter's name) and draw randomness in forward only from torch's seeded generators"
+            )
+        attrs.resolve_types(config_class)
+        problems = []
+        for attribute in attrs.fields(config_class):
+            if attribute.name in self.field_exceptions:
+                continue
+            if attribute.name in self.field_changes:
+                changes = [self.field_changes[attribute.name]]
+            else:
+                value = getattr(self._config(), attribute.name)
+                changes = [{attribute.name: change} for change in _candidate_changes(attribute.type, value)]
+            if not changes:
+                problems.append(
+                    f"{attribute.name}: the kit cannot derive a change for a field of type {attribute.type}; give one "
+                    f'in field_changes = {{"{attribute.name}": {{"{attribute.name}": ...}}}}'
+                )
+                continue
+            outcome = self._first_change_that_shows(changes, base)
+            if outcome is not None:
+                problems.append(f"{attribute.name}: {outcome}")
+        if problems:
+            _fail(
+                f"these fields of {config_class.__name__} changed neither the parameters nor the output:\n"
+                + "\n".join(f"  - {problem}" for problem in problems)
+                + "\nEvery declared field must change the layer. Use the field, or remove it; a field that acts only "
+                "where one process cannot show it goes in `field_exceptions = {name: reason}`; a change that needs "
+                "other fields goes in `field_changes = {name: {...}}`."
+            )
+
+    def _first_change_that_shows(self, changes: list[Mapping[str, Any]], base: _Signature) -> str | None:
+        """None when one of `changes` changes the layer, else what was tried."""
+        tried = []
+        for change in changes:
+            try:
+                config = structure(merge(self._data(), change), self.kind_config)
+            except ConfigError as error:
+                tried.append(f"{_show(change)} is refused ({'; '.join(message for _, message in error.errors)})")
+                continue
+            try:
+                signature = self._signature(config)
+            except Exception as error:  # noqa: BLE001 - a change this process cannot run shows nothing here
+                tried.append(f"{_show(change)} does not run here ({type(error).__name__}: {error})")
+                continue
+            if _difference(base, signature):
+                return None
+            tried.append(f"{_show(change)} changed nothing")
+        shown = 3
+        more = f"; and {len(tried) - shown} more changes" if len(tried) > shown else ""
+        return "; ".join(tried[:shown]) + more
+
+    # -- declared capabilities ---------------------------------------------------------------------------------------
+
+    @pytest.mark.distributed
+    def test_tensor_parallel_matches_one_process(self) -> None:
+        config = self._config()
+        if TENSOR_PARALLEL not in config.capabilities:
+            pytest.skip(f"{type(config).__name__} does not declare tensor_parallel")
+        for size in self.tensor_parallel_sizes:
+            try:
+                config.check_tensor_parallel(size)
+            except Exception as error:  # noqa: BLE001
+                _fail(
+                    f"the test config cannot be split between {size} tensor-parallel ranks ({error}): make "
+                    f"config_factory return one that can, or set tensor_parallel_sizes"
+                )
+            job = _ParallelJob(
+                implementation=self._implementation(self._entry()),
+                config=config,
+                hidden_size=self.hidden_size,
+                lengths=tuple(self.lengths),
+                tolerance=dict(self.tolerance),
+                seed=self.seed,
+                tensor_parallel=size,
+                sequence_tensor_parallel=SEQUENCE_TENSOR_PARALLEL in config.capabilities,
+                generation=self.kind == "mixer" and GENERATION_CACHE in config.capabilities,
+                kind=self.kind,
+            )
+            try:
+                run_distributed(size, _check_parallel, job)
+            except Exception as error:
+                # Show the ranks' findings as this test's failure, not as a traceback of a child process.
+                marker = f"{ConformanceError.__name__}: "
+                message = str(error)
+                if marker not in message:
+                    raise
+                raise ConformanceError(message[message.rindex(marker) + len(marker) :].strip()) from None
+
+    def test_generation_equals_the_full_forward(self) -> None:
+        config = self._config()
+        if GENERATION_CACHE not in config.capabilities:
+            pytest.skip(f"{type(config).__name__} does not declare generation_cache")
+        layer = self._build(config)
+        problems = _decoding_problems(layer, self._inputs, layer, dict(self.tolerance), self.kind)
+        if problems:
+            _fail("\n".join([*problems, _DECODING_FIX]))
+
+    # -- in a model --------------------------------------------------------------------------------------------------
+
+    def test_checkpoint_round_trip(self, tmp_path: Path) -> None:
+        other = {"type": "none"}
+        block = {"mixer": self._data(), "mlp": other} if self.kind == "mixer" else {"mixer": other, "mlp": self._data()}
+        run_config = {
+            "model": {
+                "hidden_size": self.hidden_size,
+                "embeddings": {"vocab_size": 32},
+                "decoder": {"type": "fixed", "num_blocks": 2, "block": block},
+            },
+            "distributed": {"seed": self.seed, "backend": "gloo"},
+        }
+        distributed = self._single_process()
+        model = blockzoo.build(run_config, distributed=distributed)
+        generator = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():  # Away from the initialization, which a fresh build would give back anyway.
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        blockzoo.save(model, tmp_path / "checkpoint")
+        loaded = blockzoo.load(tmp_path / "checkpoint", distributed=distributed)
+        if to_dict(loaded.config) != to_dict(model.config):
+            _fail("the model config read back from the checkpoint differs from the saved one")
+        loaded_parameters = dict(loaded.named_parameters())
+        for name, parameter in model.named_parameters():
+            if name not in loaded_parameters or not torch.equal(loaded_parameters[name], parameter):
+                _fail(
+                    f"parameter {name!r} did not survive a checkpoint save and load: make it with create_parameter or "
+                    "Linear under a name that does not depend on the run (it is stored by name as a global tensor)"
+                )
+        tokens = torch.randint(0, 32, (2, 7), generator=generator)
+        with torch.no_grad():
+            self._assert_close(loaded(tokens), model(tokens), "the logits of the reloaded model", "")
+
+    def test_flops_are_reported_and_scale_with_tokens(self) -> None:
+        layer = self._build(self._config())
+        once, twice = layer.flops(Batch(self.lengths)), layer.flops(Batch(list(self.lengths) * 2))
+        if not (isinstance(once, tuple) and len(once) == 2 and all(type(value) is int for value in once)):
+            _fail(f"flops(batch) returned {once!r}: return (forward, backward) as two Python ints")
+        if min(once) <= 0:
+            _fail(
+                f"flops(batch) returned {once}: count the forward and backward floating-point operations (MFU is "
+                "computed from them); Linear.forward_flops / backward_flops count the projections"
+            )
+        if twice != (2 * once[0], 2 * once[1]):
+            _fail(
+                f"flops of the batch with every document twice is {twice}, expected exactly twice {once}: count the "
+                "whole batch (every document, every tensor-parallel rank together) from batch.lengths"
+            )
+        short, long = layer.flops(Batch([4])), layer.flops(Batch([8]))
+        if not (long[0] > short[0] and long[1] > short[1]):
+            _fail(f"a document of 8 tokens costs {long}, one of 4 costs {short}: more tokens must cost more")
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _data(self) -> dict[str, Any]:
+        factory = self.config_factory()
+        if isinstance(factory, Config):
+            return to_dict(factory)
+        if not isinstance(factory, Mapping) or "type" not in factory:
+            _fail(
+                f"config_factory returned {factory!r}: return plain data with the plugin's `type` "
+                '(e.g. {"type": "myplugin.my_mixer", ...}) or a config object'
+            )
+        return dict(factory)
+
+    def _structure(self, data: Mapping[str, Any], what: str) -> Config:
+        try:
+            return structure(data, self.kind_config)
+        except ConfigError as error:
+            _fail(f"{what} does not structure: {error}")
+
+    def _config(self) -> Config:
+        config = self._structure(self._data(), "config_factory()'s config")
+        if not isinstance(config, self.kind_config):
+            _fail(f"config_factory() gave a {type(config).__name__}, not a {self.kind_config.__name__}")
+        return config
+
+    def _entry(self) -> TypeEntry:
+        config = self._config()
+        registry = get_registry(strict=False)
+        return registry.resolve(self.kind, registry.name_of(type(config)))
+
+    def _implementation(self, entry: TypeEntry) -> Any:
+        try:
+            return entry.load_implementation()
+        except Exception as error:  # noqa: BLE001
+            _fail(f"the implementation {entry.implementation!r} of {entry.name!r} does not import: {error!r}")
+
+    def _single_process(self, compute_dtype: str = "fp32") -> Distributed:
+        return _single_process(self.seed, compute_dtype)
+
+    def _build(self, config: Config, distributed: Distributed | None = None) -> Layer:
+        implementation = self._implementation(self._entry())
+        return _build(implementation, config, self.kind, self.hidden_size, distributed or self._single_process())
+
+    def _inputs(self, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return _inputs(tokens, self.hidden_size, seed)
+
+    def _assert_close(self, actual: torch.Tensor, expected: torch.Tensor, what: str, fix: str) -> None:
+        problem = _mismatch(actual, expected, self.tolerance, what)
+        if problem:
+            _fail(f"{problem}. {fix}".rstrip(". ") + ".")
+
+    def _signature(self, config: Config) -> _Signature:
+        layer = self._build(config)
+        hidden, _ = self._inputs(sum(self.lengths))
+        batch = Batch(self.lengths)
+        torch.manual_seed(self.seed)
+        with torch.no_grad():
+            output = layer(hidden, batch)
+        parameters = {
+            name: (parameter.detach().clone(), getattr(parameter, "meta", None), parameter.requires_grad)
+            for name, parameter in layer.named_parameters()
+        }
+        losses = {name: value.detach() for name, value in batch.losses.items()}
+        return _Signature(parameters, output, losses, dict(self.tolerance))
+
+
+class MixerConformance(LayerConformance):
+    """The conformance checks of a mixer plugin (also: decoding with `new_state` when it declares generation_cache)."""
+
+    kind = "mixer"
+    kind_config = MixerConfig
+    layer_base = Mixer
+
+
+class MLPConformance(LayerConformance):
+    """The conformance checks of an MLP plugin."""
+
+    kind = "mlp"
+    kind_config = MLPConfig
+    layer_base = MLP
+
+
+class ConverterSectionConformance:
+    """The conformance checks of a converter section: how a plugin's config class is written in one checkpoint
+    format (`register_converters`: `register(format_name, Section(...))`, see blockzoo.conversion).
+
+    Subclass it with `kind` (the config's kind: "mixer", "mlp", "normalization", ...), `format_name`, and a
+    `config_factory` returning a config of the type that the format can express. It checks the section alone, through
+    the core's conversion machinery (no converter plugin needed): it is registered and imports no torch, claims every
+    architecture field, its config survives export -> import -> export, every key it writes is claimed, and every
+    parameter of the layer is claimed by exactly one weight mapping whose export -> import gives it back bit for bit.
+    """
+
+    kind: ClassVar[str]
+    format_name: ClassVar[str]
+    hidden_size: ClassVar[int] = 16
+    # The registered type of each Part the format chooses per layer (e.g. {"mlp": "moe"}), for importing.
+    part_types: ClassVar[Mapping[str, str]] = {}
+    seed: ClassVar[int] = 1234
+
+    def config_factory(self) -> Mapping[str, Any] | Config:
+        """A small config of the section's type that the format can express: plain data with its `type`, or a config."""
+        raise NotImplementedError(f"{type(self).__name__} must define config_factory(self)")
+
+    def test_section_is_registered_and_imports_no_torch(self) -> None:
+        section = self._section()
+        if section.config_class is not type(self._config()):
+            _fail(f"the section's config_class is {section.config_class.__name__}, not {type(self._config()).__name__}")
+        script = (
+            "import sys\n"
+            "from blockzoo.conversion import sections\n"
+            f"sections({self.format_name!r})\n"
+            "if 'torch' in sys.modules:\n"
+            "    raise SystemExit('loading the sections imported torch')\n"
+        )
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment)
+        if result.returncode:
+            _fail(
+                f"{(result.stderr.strip().splitlines() or ['failed'])[-1]}: sections are loaded with the plugins, "
+                "which must not import torch (weight mappings import it only when they run)"
+            )
+
+    def test_every_architecture_field_is_claimed(self) -> None:
+        section, config = self._section(), self._config()
+        if unclaimed := unclaimed_fields(section, config):
+            _fail(
+                f"the {self.format_name} section of {type(config).__name__} claims no mapping for "
+                f"{', '.join(unclaimed)}: add one (Rename, Computed; Constant for a value the format implies; "
+                "Ignored(ours=..., reason=...) for what it does not hold), or a Part for a sub-config with its own "
+                "section. A field nothing writes would be lost in every export."
+            )
+
+    def test_config_round_trip(self) -> None:
+        section, config = self._section(), self._config()
+        exported = self._export(config)
+        imported = import_config(self.format_name, section, exported, types=dict(self.part_types))
+        try:
+            again = structure(imported, type(config))
+        except ConfigError as error:
+            _fail(f"importing the exported keys gives a config that does not structure: {error}")
+        if (exported_again := self._export(again)) != exported:
+            _fail(
+                f"export -> import -> export changes the format's config:\n  {exported}\n  {exported_again}\n"
+                "Each mapping's import must invert its export."
+            )
+        converted = {path for mapping in section.config if not isinstance(mapping, Ignored) for path in mapping.ours}
+        for path in sorted(converted | {part.field for part in section.parts}):
+            before, after = _value_at(config, path), _value_at(again, path)
+            if not _same_architecture(after, before):
+                _fail(
+                    f"`{path}` is {before!r}, but {after!r} after export and import: the mapping that claims it must "
+                    "convert it both ways (or be Ignored, with the reason)"
+                )
+
+    def test_exported_keys_are_claimed(self) -> None:
+        exported = self._export(self._config())
+        unclaimed = sorted(set(exported) - claimed_keys(self.format_name))
+        if unclaimed:
+            _fail(
+                f"the export writes {', '.join(unclaimed)}, which no {self.format_name} section claims: name each in "
+                "its mapping's `theirs`, else importing such a checkpoint is refused (every key must be claimed)"
+            )
+
+    def test_weights_round_trip(self) -> None:
+        config = self._config()
+        layer = _build(self._entry().load_implementation(), config, self.kind, self.hidden_size, self._distributed())
+        generator = torch.Generator().manual_seed(self.seed)
+        parameters = {
+            name: parameter.detach() + torch.randn(parameter.shape, generator=generator)
+            for name, parameter in layer.named_parameters()
+        }
+        mappings = expand_weights(self.format_name, config, ours="", section=self._section())
+        claimed = [name for mapping in mappings for name in mapping.ours]
+        if unknown := sorted(set(claimed) - set(parameters)):
+            _fail(f"weight mappings name {', '.join(unknown)}, not parameters of the layer ({', '.join(parameters)})")
+        if twice := sorted({name for name in claimed if claimed.count(name) > 1}):
+            _fail(f"parameters {', '.join(twice)} are claimed by several weight mappings")
+        if missing := sorted(set(parameters) - set(claimed)):
+            _fail(
+                f"parameters {', '.join(missing)} are in no weight mapping of the {self.format_name} section: add a "
+                "Weight, Concatenated, ComputedWeights or Nested for each, else exports lose them"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for mapping in mappings:
+            exported = mapping.export_tensors([parameters[name] for name in mapping.ours])
+            if len(exported) != len(mapping.theirs):
+                _fail(f"the mapping of {mapping.ours} exports {len(exported)} tensors for {len(mapping.theirs)} names")
+            for name, tensor in zip(mapping.theirs, exported):
+                if name in tensors:
+                    _fail(f"tensor {name!r} is written by two weight mappings")
+                tensors[name] = tensor
+        for mapping in mappings:
+            restored = mapping.import_tensors([tensors[name] for name in mapping.theirs])
+            for name, tensor in zip(mapping.ours, restored, strict=True):
+                if tensor.shape != parameters[name].shape or not torch.equal(tensor, parameters[name]):
+                    _fail(
+                        f"parameter {name!r} does not come back bit for bit through export and import of its mapping "
+                        f"to {', '.join(mapping.theirs)}: the import must invert the export"
+                    )
+
+    def _data(self) -> dict[str, Any]:
+        factory = self.config_factory()
+        return to_dict(factory) if isinstance(factory, Config) else dict(factory)
+
+    def _entry(self) -> TypeEntry:
+        data = self._data()
+        if "type" not in data:
+            _fail(f"config_factory returned {data!r}: give the type, e.g. {{'type': 'myplugin.my_mixer', ...}}")
+        return get_registry(strict=False).resolve(self.kind, data["type"])
+
+    def _config(self) -> Config:
+        try:
+            return structure(self._data(), self._entry().config_class)
+        except ConfigError as error:
+            _fail(f"config_factory()'s config does not structure: {error}")
+
+    def _section(self) -> Section:
+        config_class = type(self._config())
+        found = sections(self.format_name).get(config_class)
+        if found is None:
+            _fail(
+                f"no section converts {config_class.__name__} in the {self.format_name!r} format: register one from "
+                f"the plugin's `register_converters` hook: register({self.format_name!r}, Section(config_class="
+                f"{config_class.__name__}, ...))"
+            )
+        return found
+
+    def _export(self, config: Config) -> dict[str, Any]:
+        try:
+            return export_config(self.format_name, config, section=self._section())
+        except ConversionError as error:
+            _fail(f"exporting config_factory()'s config fails: {error}")
+
+    def _distributed(self) -> Distributed:
+        return _single_process(self.seed)
+
+
+def _value_at(config: Config, path: str) -> Any:
+    """The value of a dotted field path; None below a field that is None."""
+    value: Any = config
+    for step in path.split("."):
+        value = None if value is None else getattr(value, step)
+    return value
+
+
+def _same_architecture(first: Any, second: Any) -> bool:
+    """Equal, sub-configs compared on what they convert (training settings are not written)."""
+    if isinstance(first, Config) and isinstance(second, Config):
+        return type(first) is type(second) and all(
+            _same_architecture(getattr(first, attribute.name), getattr(second, attribute.name))
+            for attribute in attrs.fields(type(first))
+            if attribute.name not in TRAINING_FIELDS
+        )
+    return first == second
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared by the checks on one process and on gloo ranks
+
+
+def _single_process(seed: int, compute_dtype: str = "fp32") -> Distributed:
+    # gloo: one CPU process (on a CUDA machine `auto` would choose the GPU).
+    config = DistributedConfig(seed=seed, backend="gloo", compute_dtype=compute_dtype)
+    return Distributed(config, world_size=1, rank=0, local_rank=0)
+
+
+def _build(implementation: Any, config: Config, kind: str, hidden_size: int, distributed: Distributed) -> Layer:
+    return implementation(
+        config, name=kind, hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1.0
+    )
+
+
+def _inputs(tokens: int, hidden_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states and the weights of the loss sum(output · weights)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hidden_size, generator=generator), torch.randn(tokens, hidden_size, generator=generator)
+
+
+@dataclasses.dataclass
+class _Run:
+    output: torch.Tensor
+    input_grad: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def _run(layer: Layer, hidden: torch.Tensor, batch: Batch, weights: torch.Tensor) -> _Run:
+    """Output, input gradient and parameter gradients of the loss sum(output · weights)."""
+    layer.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().requires_grad_()
+    output = layer(hidden, batch)
+    (output * weights).sum().backward()
+    grads = {
+        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.clone()
+        for name, parameter in layer.named_parameters()
+        if parameter.requires_grad
+    }
+    input_grad = torch.zeros_like(hidden) if hidden.grad is None else hidden.grad
+    return _Run(output.detach(), input_grad, grads)
+
+
+def _mismatch(actual: torch.Tensor, expected: torch.Tensor, tolerance: Mapping[str, float], what: str) -> str | None:
+    if actual.shape != expected.shape:
+        return f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if torch.allclose(actual, expected, **tolerance):
+        return None
+    difference = (actual - expected).abs().nan_to_num(float("inf"))
+    return (
+        f"{what} differs (max abs difference {difference.max().item():.3g} at "
+        f"{[int(i) for i in torch.unravel_index(difference.argmax(), difference.shape)]}, beyond "
+        f"{', '.join(f'{key}={value:g}' for key, value in tolerance.items())})"
+    )
+
+
+_DECODING_FIX = (
+    "new_state(...) must hold all that forward needs from earlier tokens (KV cache, convolution window, recurrent "
+    "state), and forward(hidden, batch, state) with batch.past_lengths set must read it and append the batch's tokens "
+    "(document i of the batch is sequence i of the state)."
+)
+
+
+def _decoding_problems(layer: Layer, inputs: Any, reference: Layer, tolerance: Mapping[str, float], kind: str) -> list:
+    """Prefill part of two sequences, a chunk of several tokens, then one token at a time: each step's outputs must
+    equal the rows of `reference`'s full forward (the layer and the reference may be laid out differently)."""
+    full_lengths, steps = [6, 4], [[3, 2], [2, 1], [1, 1]]
+    hidden, _ = inputs(sum(full_lengths))
+    with torch.no_grad():
+        expected = reference(hidden, Batch(full_lengths)).split(full_lengths)
+    cpu = torch.device("cpu")
+    state = layer.new_state(len(full_lengths), max(full_lengths), cpu, torch.float32) if kind == "mixer" else None
+    sequences, past = hidden.split(full_lengths), [0, 0]
+    problems = []
+    for step, lengths in enumerate(steps):
+        chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
+        with torch.no_grad():
+            output = layer(chunk, Batch(lengths, past_lengths=past), state)
+        for index, part in enumerate(output.split(lengths)):
+            rows = expected[index][past[index] : past[index] + lengths[index]]
+            what = f"decoding step {step} ({lengths[index]} tokens after {past[index]}) of sequence {index}"
+            if problem := _mismatch(part, rows, tolerance, what):
+                problems.append(f"{problem} from the full forward")
+        past = [p + n for p, n in zip(past, lengths)]
+    return problems
+
+
+@dataclasses.dataclass
+class _Signature:
+    """Everything a config field may change: the parameters (values, settings) and the outputs (and added losses)."""
+
+    parameters: dict[str, tuple[torch.Tensor, Any, bool]]
+    output: torch.Tensor
+    losses: dict[str, torch.Tensor]
+    tolerance: dict[str, float]
+
+
+def _difference(first: _Signature, second: _Signature) -> bool:
+    if first.parameters.keys() != second.parameters.keys() or first.losses.keys() != second.losses.keys():
+        return True
+    for (value, meta, trained), (other, other_meta, other_trained) in zip(
+        first.parameters.values(), second.parameters.values()
+    ):
+        if value.shape != other.shape or not torch.equal(value, other) or trained != other_trained:
+            return True
+        if getattr(meta, "settings", None) != getattr(other_meta, "settings", None):
+            return True
+    if first.output.shape != second.output.shape:
+        return True
+    if not torch.allclose(first.output.double(), second.output.double(), **first.tolerance):
+        return True
+    return any(not torch.allclose(first.losses[name], second.losses[name], **first.tolerance) for name in first.losses)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Deriving a change of each config field from its type
+
+
+def _candidate_changes(annotation: Any, value: Any, depth: int = 0) -> list[Any]:
+    """Values (plain data, merged into the config's data) that differ from `value`, most telling first."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union or origin is UnionType:
+        members = [member for member in arguments if member is not type(None)]
+        found = [None] if value is not None and len(members) < len(arguments) else []
+        for member in members:
+            found += _candidate_changes(member, value, depth)
+        return _unique(found)
+    if origin is Literal:
+        return [choice for choice in arguments if choice != value]
+    if annotation is bool:
+        return [True, False] if value is None else [not value]
+    if annotation is int:
+        options = [1, 2, 3, 4, 8] if value is None else [2 * value, value + 1, value - 1, 1, 2, 3]
+        return [option for option in _unique(options) if option != value]
+    if annotation is float:
+        if value is None or value == 0:
+            options = [0.5, 0.1, 2.0, 1.0]
+        elif math.isinf(value):
+            options = [1.0, 10.0]
+        else:
+            options = [2 * value, 0.5 * value, value + 1.0, 0.5, 0.1]
+        return [option for option in _unique(options) if option != value]
+    if isinstance(annotation, type) and issubclass(annotation, Config) and attrs.has(annotation):
+        return _config_changes(annotation, value, depth)
+    return []
+
+
+def _config_changes(annotation: type[Config], value: Any, depth: int) -> list[Any]:
+    found: list[Any] = []
+    if value is None:
+        found.append({})  # The field's defaults (a polymorphic kind's default type).
+    if issubclass(annotation, PolymorphicConfig) and hasattr(annotation, "kind"):
+        registry = get_registry(strict=False)
+        current = registry.name_of(type(value)) if value is not None and registry.is_registered(type(value)) else None
+        found += [
+            {"type": entry.name}
+            for entry in registry.entries(annotation.kind)
+            if entry.name != current and issubclass(entry.config_class, annotation)
+        ]
+    if value is not None and depth < 2:
+        nested_class = type(value)
+        attrs.resolve_types(nested_class)
+        for attribute in attrs.fields(nested_class):
+            for change in _candidate_changes(attribute.type, getattr(value, attribute.name), depth + 1):
+                found.append({attribute.name: change})
+    return found
+
+
+def _unique(values: list[Any]) -> list[Any]:
+    unique: list[Any] = []
+    for value in values:
+        if not any(value == seen and type(value) is type(seen) for seen in unique):
+            unique.append(value)
+    return unique
+
+
+def _show(change: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(dict(change), default_flow_style=True, width=1000).strip()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tensor parallel: each gloo rank runs the layer split, and the single-process reference itself
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParallelJob:
+    implementation: Any
+    config: Config
+    kind: str
+    hidden_size: int
+    lengths: tuple[int, ...]
+    tolerance: dict[str, float]
+    seed: int
+    tensor_parallel: int
+    sequence_tensor_parallel: bool
+    generation: bool
+
+
+_TENSOR_PARALLEL_FIX = (
+    "A layer that declares tensor_parallel must give the single-process outputs and gradients with its weights split "
+    "between ranks: input projections column-parallel (an output dim with parallel=True), the output projection "
+    "row-parallel (an input dim with parallel=True), every per-channel or per-head computation on this rank's "
+    "channels or heads. What needs every channel (a norm over the whole inner dim) cannot be split: refuse it in "
+    "check_tensor_parallel(n), or do not declare tensor_parallel."
+)
+_SEQUENCE_PARALLEL_FIX = (
+    "Under sequence_tensor_parallel the layer receives and returns this rank's slice of the tokens: the column-"
+    "parallel Linear gathers them and the row-parallel one scatters them back; anything computed on the input or "
+    "output outside those Linears sees only this rank's tokens. Do not declare sequence_tensor_parallel if the "
+    "layer cannot work so."
+)
+_SHARD_FIX = (
+    "Each parameter's dims say how it is split (a parallel=True dim): the ranks' shards must assemble to the "
+    "single-process tensor, which is what checkpoints hold."
+)
+_GRADIENT_FIX = (
+    "A replicated parameter whose gradient on a rank covers only that rank's tokens or heads must say so: "
+    "create_parameter(..., token_sharded_input=True or partial_gradient=True), so its gradient is summed over "
+    "the ranks."
+)
+_FLOPS_FIX = "flops(batch) counts the work of all ranks together: it must not depend on the parallel layout."
+
+
+def _check_parallel(job: _ParallelJob) -> None:
+    """On every rank: the layer split between `job.tensor_parallel` ranks against the single-process layer."""
+    size = job.tensor_parallel
+
+    def layout(**parallel: Any) -> Distributed:
+        # The first one starts the process group; the later one lays out the same ranks differently.
+        return Distributed(
+            DistributedConfig(seed=job.seed, backend="gloo", timeout=60, tensor_parallel=size, **parallel)
+        )
+
+    problems: list[tuple[str, ...]] = []  # (problem, what to fix, ...)
+    with layout() as distributed:
+        layouts = {f"tensor_parallel={size}": distributed}
+        if job.sequence_tensor_parallel:
+            layouts[f"tensor_parallel={size} with sequence_tensor_parallel"] = layout(sequence_tensor_parallel=True)
+        reference = _build(job.implementation, job.config, job.kind, job.hidden_size, _single_process(job.seed))
+        for label, parallel in layouts.items():
+            problems += _parallel_problems(job, parallel, reference, label)
+        if job.generation:
+            layer = _build(job.implementation, job.config, job.kind, job.hidden_size, distributed)
+            found = _decoding_problems(
+                layer, lambda tokens: _inputs(tokens, job.hidden_size), reference, job.tolerance, job.kind
+            )
+            problems += [(f"tensor_parallel={size}: {problem}", _DECODING_FIX) for problem in found]
+    if problems:
+        lines = dict.fromkeys(problem for problem, *_ in problems)
+        fixes = dict.fromkeys(fix for _, *found_fixes in problems for fix in found_fixes)
+        raise ConformanceError("\n".join([*lines, "What to fix:", *fixes]))
+
+
+def _parallel_problems(
+    job: _ParallelJob, distributed: Distributed, reference: Layer, label: str
+) -> list[tuple[str, ...]]:
+    """(problem, what to fix, ...) tuples. Every rank takes the same path whatever it finds: the gathers are
+    collectives."""
+    fix = _SEQUENCE_PARALLEL_FIX if distributed.sequence_tensor_parallel else _TENSOR_PARALLEL_FIX
+    try:
+        layer = _build(job.implementation, job.config, job.kind, job.hidden_size, distributed)
+    except Exception as error:  # noqa: BLE001
+        return [(f"{label}: building the layer failed: {type(error).__name__}: {error}", fix)]
+    group, rank = distributed.tensor_group, distributed.tensor_rank
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(distributed.tensor_size)[rank] if distributed.sequence_tensor_parallel else tensor
+
+    hidden, weights = _inputs(sum(job.lengths), job.hidden_size)
+    expected = _run(reference, hidden, Batch(job.lengths), weights)
+    try:
+        found = _run(layer, own(hidden), Batch(job.lengths), own(weights))
+    except Exception as error:  # noqa: BLE001
+        return [(f"{label}: the forward or backward pass failed: {type(error).__name__}: {error}", fix)]
+    distributed.reduce_replicated_gradients(layer.parameters())
+    problems = []
+    for what, actual, wanted in (
+        ("the output", found.output, own(expected.output)),
+        ("the input gradient", found.input_grad, own(expected.input_grad)),
+    ):
+        if problem := _mismatch(actual, wanted, job.tolerance, f"{label}: {what} on rank {rank}"):
+            problems.append((f"{problem} from one process", fix))
+    reference_parameters = dict(reference.named_parameters())
+    for name, parameter in layer.named_parameters():
+        meta = getattr(parameter, "meta", None)
+        if meta is None or name not in reference_parameters:
+            problems.append((f"{label}: parameter {name!r} was not made by create_parameter / Linear", _SHARD_FIX))
+            continue
+        gradient = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+        full_value, full_gradient = (
+            meta.local_to_global(parameter.detach(), group),
+            meta.local_to_global(gradient, group),
+        )
+        wanted = reference_parameters[name]
+        if full_value.shape != wanted.shape or not torch.equal(full_value, wanted.detach()):
+            problems.append(
+                (f"{label}: the ranks' shards of {name!r} differ from the single-process weight", _SHARD_FIX)
+            )
+        elif name in expected.grads and (
+            problem := _mismatch(
+                full_gradient, expected.grads[name], job.tolerance, f"{label}: the gradient of {name!r}"
+            )
+        ):
+            problems.append((f"{problem} from one process", fix, _GRADIENT_FIX))
+    parallel_flops, single_flops = layer.flops(Batch(job.lengths)), reference.flops(Batch(job.lengths))
+    if parallel_flops != single_flops:
+        problems.append(
+            (f"{label}: flops(batch) is {parallel_flops} on rank {rank}, {single_flops} on one process", _FLOPS_FIX)
+        )
+    return problems

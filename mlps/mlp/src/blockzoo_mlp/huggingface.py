@@ -1,0 +1,75 @@
+"""How the dense MLP is written in the Hugging Face formats (converter sections, see `blockzoo.conversion`).
+
+Llama-style: `mlp.{gate,up,down}_proj`, gated, the activation in `hidden_act`. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from blockzoo.api import (
+    Computed,
+    Concatenated,
+    ConfigMapping,
+    Constant,
+    ConversionError,
+    Rename,
+    Section,
+    Weight,
+    WeightMapping,
+    transformers_activation,
+)
+from blockzoo_mlp.config import DenseMLPConfig
+
+_BIAS_FIELDS = ("add_linear_biases", "gate.bias.enabled", "up.bias.enabled", "down.bias.enabled")
+
+
+def biases(theirs: str | None) -> ConfigMapping:
+    """One flag `theirs` for the biases of gate, up and down (Llama's `mlp_bias`), or none at all (`theirs` None)."""
+
+    def import_(data: Mapping[str, Any]) -> dict[str, Any]:
+        return {"add_linear_biases": bool(data.get(theirs, False))} if theirs else {}
+
+    def export(config: DenseMLPConfig) -> dict[str, Any]:
+        found = {role: config.has_bias(getattr(config, role)) for role in ("gate", "up", "down")}
+        if len(set(found.values())) > 1 or (theirs is None and any(found.values())):
+            allowed = f"`{theirs}` sets the gate, up and down biases alike" if theirs else "the MLP has no biases"
+            raise ConversionError(f"MLP biases {found} cannot be written: {allowed}")
+        return {theirs: found["gate"]} if theirs else {}
+
+    return Computed(_BIAS_FIELDS, (theirs,) if theirs else (), import_=import_, export=export)
+
+
+def _weights(config: DenseMLPConfig) -> list[WeightMapping]:
+    mappings: list[WeightMapping] = [
+        Concatenated("gate_up.weight", ("gate_proj.weight", "up_proj.weight")),
+        Weight("down.weight", "down_proj.weight"),
+    ]
+    if config.has_bias(config.up):
+        mappings.append(Concatenated("gate_up.bias", ("gate_proj.bias", "up_proj.bias")))
+    if config.has_bias(config.down):
+        mappings.append(Weight("down.bias", "down_proj.bias"))
+    return mappings
+
+
+def mlp_section(*, bias: str | None = None) -> Section:
+    """A gated MLP `mlp.{gate,up,down}_proj` of width `intermediate_size`; biases from `bias` (a key) or none."""
+    return Section(
+        config_class=DenseMLPConfig,
+        name="mlp",
+        config=(
+            Rename("intermediate_size", "intermediate_size"),
+            Constant("gated", True),
+            transformers_activation("hidden_act"),
+            biases(bias),
+        ),
+        weights=_weights,
+    )
+
+
+def register_sections(register: Callable[[str, Section], None]) -> None:
+    """The MLP section of every Hugging Face format with dense MLPs (the MoE formats: their dense layers)."""
+    register("llama", mlp_section(bias="mlp_bias"))
+    for format_name in ("mistral", "qwen2", "qwen2_moe", "qwen3_moe"):
+        register(format_name, mlp_section())

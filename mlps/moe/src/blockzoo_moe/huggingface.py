@@ -1,0 +1,215 @@
+"""How the mixture of experts is written in the Hugging Face formats (converter sections, see `blockzoo.conversion`).
+
+On disk every format keeps one tensor per expert and projection (transformers 5 fuses them in memory only), so
+the files load in transformers 4.x and 5.x: Mixtral `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down),
+Qwen-MoE `mlp.experts.E.{gate,up,down}_proj`, the router `gate`. blockzoo holds the experts of a projection as one
+tensor, rows expert-major (gate‖up: every expert's gate, then every expert's up; down transposed). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from blockzoo.api import (
+    Computed,
+    Concatenated,
+    ConfigMapping,
+    Constant,
+    ConversionError,
+    Ignored,
+    Rename,
+    Section,
+    Weight,
+    WeightMapping,
+    transformers_activation,
+)
+from blockzoo_moe.config import MoEMLPConfig
+
+
+def _experts(template: str, count: int) -> tuple[str, ...]:
+    return tuple(template.format(expert) for expert in range(count))
+
+
+def _check_no_biases(config: MoEMLPConfig) -> dict[str, Any]:
+    found = {role: config.has_bias(getattr(config, role)) for role in ("gate", "up", "down")}
+    found["router"] = bool(config.router.bias.enabled)
+    if config.shared_expert_gate is not None:
+        found["shared_expert_gate"] = bool(config.shared_expert_gate.bias.enabled)
+    if any(found.values()):
+        raise ConversionError(f"MoE biases {found} cannot be written: the format's experts and router have none")
+    return {}
+
+
+NO_BIASES = Computed(
+    (
+        "add_linear_biases",
+        "gate.bias.enabled",
+        "up.bias.enabled",
+        "down.bias.enabled",
+        "router.bias.enabled",
+        "shared_expert_gate.bias.enabled",
+    ),
+    (),
+    export=_check_no_biases,
+)
+
+
+def _normalized(config: MoEMLPConfig) -> bool:
+    """Whether the selected experts' scores sum to 1 (top_k_softmax always does)."""
+    return config.routing == "top_k_softmax" or config.norm_topk_prob
+
+
+def routing(theirs: str | None) -> ConfigMapping:
+    """softmax over all experts, top k, renormalized if `theirs` (default false) or always (`theirs` None)."""
+
+    def import_(data: Mapping[str, Any]) -> dict[str, Any]:
+        return {"routing": "softmax_top_k", "norm_topk_prob": bool(data.get(theirs, False)) if theirs else True}
+
+    def export(config: MoEMLPConfig) -> dict[str, Any]:
+        if theirs is None and not _normalized(config):
+            raise ConversionError("routing without renormalization cannot be written: this format always renormalizes")
+        return {theirs: _normalized(config)} if theirs else {}
+
+    return Computed(("routing", "norm_topk_prob"), (theirs,) if theirs else (), import_=import_, export=export)
+
+
+TRAINING_ONLY = Ignored(
+    ours=("z_loss_coefficient", "expert_parallel"), reason="training settings; the format stores neither"
+)
+
+
+def _weights(names: dict[str, str]) -> Callable[[MoEMLPConfig], list[WeightMapping]]:
+    """Weight mappings; `names`: the format's names of the router and each expert projection (`{}`: the expert)."""
+
+    def weights(config: MoEMLPConfig) -> list[WeightMapping]:
+        experts = config.experts
+        mappings: list[WeightMapping] = [
+            Weight("router.weight", names["router"]),
+            Concatenated("gate_up.weight", _experts(names["gate"], experts) + _experts(names["up"], experts)),
+            Concatenated("down.weight", _experts(names["down"], experts), transposed=True),
+        ]
+        if config.shared_experts:
+            mappings += [
+                Concatenated(
+                    "shared_gate_up.weight", ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight")
+                ),
+                Weight("shared_down.weight", "shared_expert.down_proj.weight"),
+            ]
+        if config.shared_expert_gate is not None:
+            mappings.append(Weight("shared_expert_gate.weight", "shared_expert_gate.weight"))
+        return mappings
+
+    return weights
+
+
+MIXTRAL = Section(
+    config_class=MoEMLPConfig,
+    name="block_sparse_moe",
+    config=(
+        Rename("experts", "num_local_experts"),
+        Rename("experts_per_token", "num_experts_per_tok"),
+        Constant("shared_experts", 0),
+        Constant("shared_expert_gate", None),
+        Rename("intermediate_size", "intermediate_size"),
+        Constant("gated", True),
+        transformers_activation("hidden_act"),
+        NO_BIASES,
+        routing(None),
+        Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
+        # transformers also jitters the experts' input, blockzoo only the router's: training only either way.
+        Rename("router_jitter", "router_jitter_noise", default=0.0),
+        Ignored(theirs=("output_router_logits",), reason="an output option of transformers"),
+        TRAINING_ONLY,
+    ),
+    weights=_weights(
+        {
+            "router": "gate.weight",
+            "gate": "experts.{}.w1.weight",
+            "up": "experts.{}.w3.weight",
+            "down": "experts.{}.w2.weight",
+        }
+    ),
+)
+
+_QWEN_NAMES = {
+    "router": "gate.weight",
+    "gate": "experts.{}.gate_proj.weight",
+    "up": "experts.{}.up_proj.weight",
+    "down": "experts.{}.down_proj.weight",
+}
+
+
+def _import_shared(data: Mapping[str, Any]) -> dict[str, Any]:
+    width, expert = data.get("shared_expert_intermediate_size", 5632), data["moe_intermediate_size"]
+    if width <= 0 or width % expert:
+        raise ConversionError(
+            f"`shared_expert_intermediate_size` = {width} must be a positive multiple of `moe_intermediate_size` "
+            f"({expert}): blockzoo's shared experts are experts of the same width"
+        )
+    return {"shared_experts": width // expert, "shared_expert_gate": {}}
+
+
+def _export_shared(config: MoEMLPConfig) -> dict[str, Any]:
+    if not config.shared_experts or config.shared_expert_gate is None:
+        raise ConversionError(
+            f"shared_experts = {config.shared_experts}, shared_expert_gate = {config.shared_expert_gate}: Qwen2-MoE "
+            "has gated shared experts in every MoE layer"
+        )
+    return {"shared_expert_intermediate_size": config.shared_experts * config.intermediate_size}
+
+
+def _qwen_section(*, shared: bool, experts_key: str) -> Section:
+    shared_mappings = (
+        (
+            Computed(
+                ("shared_experts", "shared_expert_gate"),
+                ("shared_expert_intermediate_size",),
+                import_=_import_shared,
+                export=_export_shared,
+            ),
+        )
+        if shared
+        else (Constant("shared_experts", 0), Constant("shared_expert_gate", None))
+    )
+    return Section(
+        config_class=MoEMLPConfig,
+        name="mlp",
+        config=(
+            Computed(
+                ("experts",),
+                ("num_experts", "num_local_experts"),
+                import_=_import_qwen_experts,
+                export=lambda config: {experts_key: config.experts},
+            ),
+            Rename("experts_per_token", "num_experts_per_tok"),
+            *shared_mappings,
+            Rename("intermediate_size", "moe_intermediate_size"),
+            Constant("gated", True),
+            transformers_activation("hidden_act"),
+            NO_BIASES,
+            routing("norm_topk_prob"),
+            Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
+            Ignored(ours=("router_jitter",), theirs=("output_router_logits",), reason="training and output options"),
+            TRAINING_ONLY,
+        ),
+        weights=_weights(_QWEN_NAMES),
+    )
+
+
+def _import_qwen_experts(data: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes Qwen3-MoE's `num_local_experts`, 4.x `num_experts` (which 5 still reads).
+    found = {key: data[key] for key in ("num_experts", "num_local_experts") if key in data}
+    if len(set(found.values())) > 1:
+        raise ConversionError(f"`num_experts` and `num_local_experts` disagree: {found}")
+    if not found:
+        raise ConversionError("`num_experts` is missing from the config")
+    return {"experts": next(iter(found.values()))}
+
+
+def register_sections(register: Callable[[str, Section], None]) -> None:
+    """The MoE section of every Hugging Face MoE format."""
+    register("mixtral", MIXTRAL)
+    register("qwen2_moe", _qwen_section(shared=True, experts_key="num_experts"))
+    # `num_experts`: read by transformers 4.x and (through its attribute map) 5.x.
+    register("qwen3_moe", _qwen_section(shared=False, experts_key="num_experts"))
