@@ -10,6 +10,8 @@ from typing import Any
 
 from blockzoo.conversion import ConversionError, Fixed
 from blockzoo_huggingface.format import HuggingfaceFormat
+from blockzoo_huggingface.formats_mamba import MAMBA_FORMATS
+from blockzoo_huggingface.formats_mamba2 import MAMBA2_FORMATS
 from blockzoo_huggingface.layouts import SlidingWindowLayers, SparseMoELayers, Uniform
 from blockzoo_huggingface.sections import transformer_model
 
@@ -21,7 +23,7 @@ def _qwen2_moe_legacy(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-FORMATS = (
+TRANSFORMER_FORMATS = (
     HuggingfaceFormat(
         name="llama",
         model_type="llama",
@@ -69,3 +71,5 @@ FORMATS = (
         description="Qwen3-MoE: q/k norms, norm_topk_prob, dense layers (mlp_only_layers)",
     ),
 )
+
+FORMATS = (*TRANSFORMER_FORMATS, *MAMBA_FORMATS, *MAMBA2_FORMATS)
