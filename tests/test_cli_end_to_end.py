@@ -96,7 +96,7 @@ PATTERN_WITH_A_MISSING_BLOCK = (
 BAD_CONFIGS = {
     "unknown mixer type": (
         ["model.decoder.block.mixer.type=acme_conv"],
-        ["model.decoder.block.mixer.type", "unknown mixer type 'acme_conv'", "available: attention, none"],
+        ["model.decoder.block.mixer.type", "unknown mixer type 'acme_conv'", "available: attention"],
     ),
     "pattern naming a missing block": (
         [PATTERN_WITH_A_MISSING_BLOCK],

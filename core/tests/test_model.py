@@ -274,7 +274,20 @@ def test_every_field_of_the_model_configs_has_a_case():
     }
     assert core_types <= MODEL_CONFIG_CLASSES
     declared = {(cls, attribute.name) for cls in MODEL_CONFIG_CLASSES for attribute in attrs.fields(cls)}
-    assert declared == set(FIELD_CASES)
+    # `pretrained` names a checkpoint on disk: test_pretrained_starts_from_the_saved_weights covers it.
+    assert declared - {(ModelConfig, "pretrained")} == set(FIELD_CASES)
+
+
+def test_pretrained_starts_from_the_saved_weights(tmp_path):
+    saved = build(MODEL)
+    with torch.no_grad():
+        for parameter in saved.parameters():
+            parameter.add_(torch.randn_like(parameter))  # weights no fresh build has
+    blockzoo.save(saved, tmp_path / "checkpoint")
+    loaded = build({**MODEL, "pretrained": str(tmp_path / "checkpoint")})
+    assert loaded.config.pretrained is None  # consumed: the built model's config does not point to the files
+    assert _same(_fingerprint(loaded), _fingerprint(saved))
+    assert not _same(_fingerprint(build(MODEL)), _fingerprint(saved))
 
 
 def _fingerprint(model: LanguageModel) -> dict:
