@@ -1,4 +1,4 @@
-"""The public API for plugins: everything a plugin may import from blockzoo (see docs/plugin-api.md).
+"""The public API for plugins: everything a plugin may import from blockzoo (see docs/plugins/api.md).
 
 Names that need torch (layers, the distributed runtime) load on first access, so a plugin's config
 module can `from blockzoo.api import MixerConfig, configclass, field` without importing torch.
