@@ -103,6 +103,28 @@ class YarnRotaryConfig(DefaultRotaryConfig):
         return 0.1 * math.log(self.scale_factor) + 1.0 if self.scale_factor > 1 else 1.0
 
 
+@configclass
+class PartialRotaryConfig(DefaultRotaryConfig):
+    """RoPE on part of each head (GPT-NeoX, Bamba): of rotary_size = int(fraction · head_size) channels, as if the
+    head had that size; the other channels pass through. In this layout the rotating pairs are (i, i + head_size/2)
+    for i < rotary_size/2; transformers' `partial_rotary_factor` rotates the first rotary_size channels instead,
+    the same attention once each head's query and key channels are permuted (the converters do)."""
+
+    fraction: float = field(
+        0.5,
+        doc="Share of each head's channels that rotate (transformers' `partial_rotary_factor`); fraction · head_size "
+        "must round down to an even number.",
+        validator=greater_than(0),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(self.fraction <= 1, "fraction", f"must be in (0, 1], got {self.fraction}")
+
+    def rotary_size(self, head_size: int) -> int:
+        """The channels of a head that rotate (transformers' rotary dim; the attention config checks it is even)."""
+        return int(head_size * self.fraction)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Attention
 
@@ -170,6 +192,13 @@ class AttentionConfig(MixerConfig):
             "head_size",
             f"rotary embeddings rotate pairs of dims: head_size must be even, got {self.head_size}",
         )
+        if isinstance(self.rotary, PartialRotaryConfig):
+            turning = int(self.rotary.fraction * self.head_size)
+            check(
+                turning > 0 and turning % 2 == 0,
+                "rotary.fraction",
+                f"rotates int(fraction · head_size) = {turning} channels of each head: must be a positive even number",
+            )
         key_bias, value_bias = (self.has_bias(self.key), self.has_bias(self.value))
         check(
             key_bias == value_bias,

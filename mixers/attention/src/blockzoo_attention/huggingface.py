@@ -13,6 +13,7 @@ from typing import Any
 
 from blockzoo.api import (
     Computed,
+    ComputedWeights,
     Concatenated,
     ConfigMapping,
     Constant,
@@ -27,7 +28,7 @@ from blockzoo.api import (
     WeightMapping,
     get_registry,
 )
-from blockzoo_attention.config import AttentionConfig
+from blockzoo_attention.config import AttentionConfig, PartialRotaryConfig
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Rotary embeddings ↔ `rope_parameters`
@@ -89,6 +90,51 @@ def _export_rotary(config: AttentionConfig) -> dict[str, Any]:
 
 
 ROTARY = Computed(("rotary",), ("rope_parameters",), import_=_import_rotary, export=_export_rotary)
+
+
+def _export_no_rotary(config: AttentionConfig) -> dict[str, Any]:
+    if get_registry().name_of(type(config.rotary)) != "none":
+        raise ConversionError("`rotary` cannot be written: this format's attention has no rotary embeddings")
+    return {}
+
+
+# Formats whose attention has no position embedding (Jamba).
+NO_ROTARY = Computed(("rotary",), (), import_=lambda data: {"rotary": {"type": "none"}}, export=_export_no_rotary)
+
+
+def partial_rotary(default_fraction: float) -> ConfigMapping:
+    """RoPE of type default on part of each head, `rope_parameters.partial_rotary_factor` (`default_fraction` when
+    absent): blockzoo's `partial` rotary, or `default` for the whole head."""
+
+    def import_(data: Mapping[str, Any]) -> dict[str, Any]:
+        rope = data.get("rope_parameters")
+        if not isinstance(rope, Mapping):
+            raise ConversionError("`rope_parameters` is missing: this format uses rotary embeddings")
+        known = ("rope_type", "rope_theta", "partial_rotary_factor")
+        if rope.get("rope_type", "default") != "default" or any(
+            key not in known and value is not None for key, value in rope.items()
+        ):
+            raise ConversionError(
+                f"`rope_parameters` = {dict(rope)} is not supported: this format's conversion has rope_type default "
+                "with `rope_theta` and `partial_rotary_factor` only"
+            )
+        fraction = rope.get("partial_rotary_factor")
+        fraction, theta = default_fraction if fraction is None else fraction, float(rope["rope_theta"])
+        if fraction == 1:
+            return {"rotary": {"type": "default", "theta": theta}}
+        return {"rotary": {"type": "partial", "theta": theta, "fraction": fraction}}
+
+    def export(config: AttentionConfig) -> dict[str, Any]:
+        rotary = config.rotary
+        rope_type = get_registry().name_of(type(rotary))
+        if rope_type not in ("default", "partial"):
+            raise ConversionError(f"`rotary` type {rope_type!r} cannot be written (only default and partial)")
+        fraction = rotary.fraction if isinstance(rotary, PartialRotaryConfig) else 1.0
+        rope = {"rope_type": "default", "rope_theta": rotary.theta, "partial_rotary_factor": fraction}
+        return {"rope_parameters": rope}
+
+    return Computed(("rotary",), ("rope_parameters",), import_=import_, export=export)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Biases
@@ -178,16 +224,78 @@ def _softmax_scale(config: AttentionConfig) -> dict[str, Any]:
     return {}
 
 
+def _rotary_order(config: AttentionConfig) -> list[int] | None:
+    """Partial rotary: blockzoo's channel c of a head is transformers' channel order[c] (None: the same channels).
+    transformers rotates channels [0, r) in pairs (j, j + r/2) and passes [r, head_size) through; blockzoo pairs
+    (i, i + head_size/2), the first r/2 turning: each half of a blockzoo head is half the turning channels, then
+    half the others. The attention scores do not change when queries and keys are permuted alike."""
+    if not isinstance(config.rotary, PartialRotaryConfig):
+        return None
+    size, turning = config.head_size, config.rotary.rotary_size(config.head_size)
+    rest = (size - turning) // 2
+    return [
+        *range(turning // 2),
+        *range(turning, turning + rest),
+        *range(turning // 2, turning),
+        *range(turning + rest, size),
+    ]
+
+
+def _reorder_heads(order: list[int], head_size: int) -> Callable[[Any], Any]:
+    """Rows grouped by head (q_proj, k_proj, their biases) with each head's rows taken in `order`."""
+    return lambda tensor: tensor.unflatten(0, (-1, head_size))[:, order].flatten(0, 1)
+
+
+def _query(config: AttentionConfig, suffix: str) -> WeightMapping:
+    order = _rotary_order(config)
+    if order is None:
+        return Weight(f"query.{suffix}", f"q_proj.{suffix}")
+    to_ours, to_theirs = _reorder_heads(order, config.head_size), _reorder_heads(_inverse(order), config.head_size)
+    return ComputedWeights(
+        (f"query.{suffix}",),
+        (f"q_proj.{suffix}",),
+        import_=lambda tensors: [to_ours(tensors[0])],
+        export=lambda tensors: [to_theirs(tensors[0])],
+    )
+
+
+def _key_value(config: AttentionConfig, suffix: str) -> WeightMapping:
+    order = _rotary_order(config)
+    if order is None:
+        return Concatenated(f"key_value.{suffix}", (f"k_proj.{suffix}", f"v_proj.{suffix}"))
+    to_ours, to_theirs = _reorder_heads(order, config.head_size), _reorder_heads(_inverse(order), config.head_size)
+
+    def import_(tensors: list[Any]) -> list[Any]:
+        import torch
+
+        return [torch.cat([to_ours(tensors[0]), tensors[1]])]
+
+    def export(tensors: list[Any]) -> list[Any]:
+        key, value = tensors[0].chunk(2)
+        return [to_theirs(key), value.contiguous()]
+
+    return ComputedWeights(
+        (f"key_value.{suffix}",), (f"k_proj.{suffix}", f"v_proj.{suffix}"), import_=import_, export=export
+    )
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, channel in enumerate(order):
+        inverse[channel] = position
+    return inverse
+
+
 def _weights(config: AttentionConfig) -> list[WeightMapping | Nested]:
     mappings: list[WeightMapping | Nested] = [
-        Weight("query.weight", "q_proj.weight"),
-        Concatenated("key_value.weight", ("k_proj.weight", "v_proj.weight")),
+        _query(config, "weight"),
+        _key_value(config, "weight"),
         Weight("dense.weight", "o_proj.weight"),
     ]
     if config.has_bias(config.query):
-        mappings.append(Weight("query.bias", "q_proj.bias"))
+        mappings.append(_query(config, "bias"))
     if config.has_bias(config.key):
-        mappings.append(Concatenated("key_value.bias", ("k_proj.bias", "v_proj.bias")))
+        mappings.append(_key_value(config, "bias"))
     if config.has_bias(config.dense):
         mappings.append(Weight("dense.bias", "o_proj.bias"))
     if config.query_norm is not None:
@@ -197,8 +305,17 @@ def _weights(config: AttentionConfig) -> list[WeightMapping | Nested]:
     return mappings
 
 
-def attention_section(*, biases: ConfigMapping, window: ConfigMapping, head_norms: bool = False) -> Section:
-    """Llama-style attention (`self_attn.{q,k,v,o}_proj`), with the format's biases, window and head norms."""
+def attention_section(
+    *,
+    biases: ConfigMapping,
+    window: ConfigMapping,
+    head_norms: bool = False,
+    rotary: ConfigMapping = ROTARY,
+    name: str = "self_attn",
+    extra: tuple[ConfigMapping, ...] = (),
+) -> Section:
+    """Llama-style attention (`self_attn.{q,k,v,o}_proj`, or under `name`), with the format's biases, window, head
+    norms and rotary embeddings (`NO_ROTARY`: none; `partial_rotary`), and `extra` keys of its own."""
     norms = (
         (Part("query_norm", type="rms_norm"), Part("key_norm", type="rms_norm"))
         if head_norms
@@ -206,7 +323,7 @@ def attention_section(*, biases: ConfigMapping, window: ConfigMapping, head_norm
     )
     return Section(
         config_class=AttentionConfig,
-        name="self_attn",
+        name=name,
         config=(
             Rename("heads", "num_attention_heads"),
             Computed(
@@ -217,13 +334,14 @@ def attention_section(*, biases: ConfigMapping, window: ConfigMapping, head_norm
             ),
             Computed(("head_size",), ("head_dim",), import_=_head_size, export=lambda c: {"head_dim": c.head_size}),
             biases,
-            ROTARY,
+            rotary,
             Constant("causal", True),
             window,
             Computed(("softmax_scale",), (), export=_softmax_scale),
             *(norm for norm in norms if isinstance(norm, ConfigMapping)),
             Fixed("attention_dropout", 0.0),
             Ignored(ours=("implementation",), reason="the kernel is chosen for the device, not stored"),
+            *extra,
         ),
         parts=tuple(norm for norm in norms if isinstance(norm, Part)),
         weights=_weights,
@@ -239,3 +357,31 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
     register("qwen2", attention_section(biases=qkv_biases(None), window=sliding_window(default=None)))
     register("qwen2_moe", attention_section(biases=qkv_biases("qkv_bias"), window=sliding_window(default=None)))
     register("qwen3_moe", attention_section(biases=all_biases("attention_bias"), window=QWEN3_WINDOW, head_norms=True))
+    # The Mamba hybrids: Jamba's attention has no rotary embeddings; Apriel's "t" layers are Mistral's.
+    register(
+        "jamba", attention_section(biases=all_biases(None), window=Constant("window_size", None), rotary=NO_ROTARY)
+    )
+    register("apriel_hybrid_ssm", attention_section(biases=all_biases(None), window=sliding_window(default=4096)))
+    # Bamba: RoPE on half of each head unless `partial_rotary_factor` says otherwise. NemotronH: no RoPE, no biases.
+    register(
+        "bamba",
+        attention_section(
+            biases=all_biases("attention_bias"), window=Constant("window_size", None), rotary=partial_rotary(0.5)
+        ),
+    )
+    register(
+        "nemotron_h",
+        attention_section(
+            biases=all_biases(None),
+            window=Constant("window_size", None),
+            rotary=NO_ROTARY,
+            name="mixer",
+            extra=(
+                Ignored(
+                    theirs=("attention_bias", "sliding_window"),
+                    reason="transformers' NemotronH attention reads neither: it has no biases and attends to every "
+                    "earlier token",
+                ),
+            ),
+        ),
+    )

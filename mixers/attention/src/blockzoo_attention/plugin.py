@@ -1,4 +1,5 @@
-"""blockzoo-attention's hooks: the `attention` mixer and the rotary types (`none`, `default`, `llama3`, `yarn`)."""
+"""blockzoo-attention's hooks: the `attention` mixer and the rotary types (`none`, `default`, `llama3`, `yarn`,
+`partial`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def register_components(register) -> None:
     register("default", config.DefaultRotaryConfig, "blockzoo_attention.rotary:default_frequencies")
     register("llama3", config.Llama3RotaryConfig, "blockzoo_attention.rotary:llama3_frequencies")
     register("yarn", config.YarnRotaryConfig, "blockzoo_attention.rotary:yarn_frequencies")
+    register("partial", config.PartialRotaryConfig, "blockzoo_attention.rotary:partial_frequencies")
 
 
 @hookimpl

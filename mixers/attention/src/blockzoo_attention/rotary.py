@@ -13,7 +13,13 @@ import math
 import torch
 
 from blockzoo.api import Batch, get_registry
-from blockzoo_attention.config import DefaultRotaryConfig, Llama3RotaryConfig, RotaryConfig, YarnRotaryConfig
+from blockzoo_attention.config import (
+    DefaultRotaryConfig,
+    Llama3RotaryConfig,
+    PartialRotaryConfig,
+    RotaryConfig,
+    YarnRotaryConfig,
+)
 
 
 def _base_frequencies(theta: float, head_size: int) -> torch.Tensor:
@@ -54,6 +60,13 @@ def yarn_frequencies(config: YarnRotaryConfig, head_size: int) -> tuple[torch.Te
     interpolated = ((torch.arange(head_size // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     scaled = (1 - interpolated) * frequencies + interpolated * frequencies / config.scale_factor
     return scaled, config.resolved_attention_factor
+
+
+def partial_frequencies(config: PartialRotaryConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    # The first rotary_size/2 pairs turn as in a head of rotary_size channels; the others do not turn at all.
+    rotary_size = config.rotary_size(head_size)
+    turning = _base_frequencies(config.theta, rotary_size)
+    return torch.cat([turning, turning.new_zeros(head_size // 2 - rotary_size // 2)]), 1.0
 
 
 def frequencies(config: RotaryConfig, head_size: int) -> tuple[torch.Tensor, float] | None:

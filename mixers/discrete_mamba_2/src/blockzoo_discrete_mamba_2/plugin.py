@@ -20,6 +20,13 @@ def register_mixers(register) -> None:
 
 
 @hookimpl
+def register_converters(register) -> None:
+    from blockzoo_discrete_mamba_2.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)
+
+
+@hookimpl
 def check_environment() -> list[str]:
     """On CUDA without mamba_ssm the scan runs on the (much slower) torch path: say so."""
     import torch

@@ -21,6 +21,13 @@ def register_mixers(register) -> None:
 
 
 @hookimpl
+def register_converters(register) -> None:
+    from blockzoo_mamba.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)
+
+
+@hookimpl
 def check_environment() -> list[str]:
     """On CUDA the selective scan runs blockzoo's Triton kernel: say so if triton cannot be imported."""
     import importlib.util

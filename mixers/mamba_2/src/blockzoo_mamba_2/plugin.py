@@ -1,4 +1,5 @@
-"""blockzoo-mamba-2's hooks: the `mamba_2` mixer, and whether the GPU kernels are there."""
+"""blockzoo-mamba-2's hooks: the `mamba_2` mixer, its Hugging Face converter sections, and whether the GPU kernels are
+there."""
 
 from __future__ import annotations
 
@@ -33,3 +34,10 @@ def check_environment() -> list[str]:
             "(install the `kernels` extra: pip install 'blockzoo-mamba-2[kernels]')"
         ]
     return []
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_mamba_2.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)

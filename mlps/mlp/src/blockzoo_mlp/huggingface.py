@@ -1,6 +1,7 @@
 """How the dense MLP is written in the Hugging Face formats (converter sections, see `blockzoo.conversion`).
 
-Llama-style: `mlp.{gate,up,down}_proj`, gated, the activation in `hidden_act`. Torch-free.
+Llama-style: `mlp.{gate,up,down}_proj`, gated, the activation in `hidden_act`; NemotronH's is not gated
+(`up_proj`, `down_proj`, `mlp_hidden_act`). Torch-free.
 """
 
 from __future__ import annotations
@@ -32,36 +33,46 @@ def biases(theirs: str | None) -> ConfigMapping:
         return {"add_linear_biases": bool(data.get(theirs, False))} if theirs else {}
 
     def export(config: DenseMLPConfig) -> dict[str, Any]:
-        found = {role: config.has_bias(getattr(config, role)) for role in ("gate", "up", "down")}
+        roles = ("gate", "up", "down") if config.gated else ("up", "down")
+        found = {role: config.has_bias(getattr(config, role)) for role in roles}
         if len(set(found.values())) > 1 or (theirs is None and any(found.values())):
             allowed = f"`{theirs}` sets the gate, up and down biases alike" if theirs else "the MLP has no biases"
             raise ConversionError(f"MLP biases {found} cannot be written: {allowed}")
-        return {theirs: found["gate"]} if theirs else {}
+        return {theirs: found["up"]} if theirs else {}
 
     return Computed(_BIAS_FIELDS, (theirs,) if theirs else (), import_=import_, export=export)
 
 
 def _weights(config: DenseMLPConfig) -> list[WeightMapping]:
     mappings: list[WeightMapping] = [
-        Concatenated("gate_up.weight", ("gate_proj.weight", "up_proj.weight")),
+        Concatenated("gate_up.weight", ("gate_proj.weight", "up_proj.weight"))
+        if config.gated
+        else Weight("up.weight", "up_proj.weight"),
         Weight("down.weight", "down_proj.weight"),
     ]
     if config.has_bias(config.up):
-        mappings.append(Concatenated("gate_up.bias", ("gate_proj.bias", "up_proj.bias")))
+        mappings.append(
+            Concatenated("gate_up.bias", ("gate_proj.bias", "up_proj.bias"))
+            if config.gated
+            else Weight("up.bias", "up_proj.bias")
+        )
     if config.has_bias(config.down):
         mappings.append(Weight("down.bias", "down_proj.bias"))
     return mappings
 
 
-def mlp_section(*, bias: str | None = None) -> Section:
-    """A gated MLP `mlp.{gate,up,down}_proj` of width `intermediate_size`; biases from `bias` (a key) or none."""
+def mlp_section(
+    *, bias: str | None = None, name: str = "mlp", gated: bool = True, activation: str = "hidden_act"
+) -> Section:
+    """A gated MLP `mlp.{gate,up,down}_proj` (or under `name`; without `gate_proj` unless `gated`) of width
+    `intermediate_size`, its activation in `activation`; biases from `bias` (a key) or none."""
     return Section(
         config_class=DenseMLPConfig,
-        name="mlp",
+        name=name,
         config=(
             Rename("intermediate_size", "intermediate_size"),
-            Constant("gated", True),
-            transformers_activation("hidden_act"),
+            Constant("gated", gated),
+            transformers_activation(activation),
             biases(bias),
         ),
         weights=_weights,
@@ -71,5 +82,8 @@ def mlp_section(*, bias: str | None = None) -> Section:
 def register_sections(register: Callable[[str, Section], None]) -> None:
     """The MLP section of every Hugging Face format with dense MLPs (the MoE formats: their dense layers)."""
     register("llama", mlp_section(bias="mlp_bias"))
-    for format_name in ("mistral", "qwen2", "qwen2_moe", "qwen3_moe"):
+    for format_name in ("mistral", "qwen2", "qwen2_moe", "qwen3_moe", "apriel_hybrid_ssm"):
         register(format_name, mlp_section())
+    register("jamba", mlp_section(name="feed_forward"))
+    register("bamba", mlp_section(bias="mlp_bias", name="feed_forward"))
+    register("nemotron_h", mlp_section(bias="mlp_bias", name="mixer", gated=False, activation="mlp_hidden_act"))

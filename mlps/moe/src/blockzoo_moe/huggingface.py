@@ -207,9 +207,43 @@ def _import_qwen_experts(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"experts": next(iter(found.values()))}
 
 
+def _export_unnormalized(config: MoEMLPConfig) -> dict[str, Any]:
+    if _normalized(config):
+        raise ConversionError("renormalized routing cannot be written: Jamba never renormalizes the top-k scores")
+    return {}
+
+
+# Jamba: softmax over all experts, top k, never renormalized; `feed_forward.router`, `experts.E.{gate,up,down}_proj`.
+JAMBA = Section(
+    config_class=MoEMLPConfig,
+    name="feed_forward",
+    config=(
+        Rename("experts", "num_experts"),
+        Rename("experts_per_token", "num_experts_per_tok"),
+        Constant("shared_experts", 0),
+        Constant("shared_expert_gate", None),
+        Rename("intermediate_size", "intermediate_size"),
+        Constant("gated", True),
+        transformers_activation("hidden_act"),
+        NO_BIASES,
+        Computed(
+            ("routing", "norm_topk_prob"),
+            (),
+            import_=lambda data: {"routing": "softmax_top_k", "norm_topk_prob": False},
+            export=_export_unnormalized,
+        ),
+        Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
+        Ignored(ours=("router_jitter",), theirs=("output_router_logits",), reason="training and output options"),
+        TRAINING_ONLY,
+    ),
+    weights=_weights({**_QWEN_NAMES, "router": "router.weight"}),
+)
+
+
 def register_sections(register: Callable[[str, Section], None]) -> None:
     """The MoE section of every Hugging Face MoE format."""
     register("mixtral", MIXTRAL)
     register("qwen2_moe", _qwen_section(shared=True, experts_key="num_experts"))
     # `num_experts`: read by transformers 4.x and (through its attribute map) 5.x.
     register("qwen3_moe", _qwen_section(shared=False, experts_key="num_experts"))
+    register("jamba", JAMBA)

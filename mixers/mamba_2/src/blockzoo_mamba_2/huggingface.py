@@ -1,0 +1,308 @@
+"""How the Mamba 2 mixer is written in the Hugging Face formats (converter sections, see `blockzoo.conversion`).
+
+`mamba2` (Mamba2ForCausalLM, module `mixer`), `bamba` (module `mamba`, keys `mamba_*`) and `nemotron_h` (module
+`mixer`). The parameters map one to one: in_proj's rows are z, x, B, C, dt in both, heads group-major; only the
+convolution's weight changes shape ([C, K] here, Conv1d's [C, 1, K] there). What differs between the formats is
+the names of the keys and the gated norm: per group in NemotronH; in Mamba2 and Bamba over the whole inner
+dimension up to transformers 5.22 and per group since 5.23 (the same when there is one group), so those follow
+the transformers that wrote the config.json on import, and the installed one on export. The inner size (`expand`,
+read with the hidden size) is the converter's. Torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from blockzoo.api import (
+    Computed,
+    ComputedWeights,
+    ConfigMapping,
+    Constant,
+    ConversionError,
+    Fixed,
+    Ignored,
+    Rename,
+    Section,
+    Weight,
+    WeightMapping,
+)
+from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, Mamba2Config
+
+# transformers 5 writes the floats JSON lacks as {"__float__": "Infinity"} (4.x as a bare `Infinity`).
+_FLOAT_TAG = "__float__"
+_TAGGED_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def read_float(value: Any) -> float:
+    """A float of a config.json, either form."""
+    if isinstance(value, Mapping) and set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _TAGGED_FLOATS:
+        return _TAGGED_FLOATS[value[_FLOAT_TAG]]
+    return float(value)
+
+
+def write_float(value: float) -> Any:
+    """A float as transformers 5 writes it in a config.json."""
+    return {_FLOAT_TAG: "Infinity"} if value == math.inf else value
+
+
+def _time_step_limit(key: str) -> ConfigMapping:
+    """`dt_limit` ↔ `time_step_limit` ([min, max], the time step is clamped to it)."""
+
+    def import_(data: Mapping[str, Any]) -> dict[str, Any]:
+        limit = data.get(key, (0.0, math.inf))
+        if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+            raise ConversionError(f"`{key}` must be [min, max], got {limit!r}")
+        return {"dt_limit": tuple(read_float(value) for value in limit)}
+
+    return Computed(
+        ("dt_limit",),
+        (key,),
+        import_=import_,
+        export=lambda config: {key: [write_float(value) for value in config.dt_limit]},
+    )
+
+
+def _nemotron_time_step_limit(data: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' NemotronH clamps the time step to [time_step_min, inf) and never reads `time_step_limit`.
+    return {"dt_limit": (float(data.get("time_step_min", 1e-3)), math.inf)}
+
+
+def _nemotron_time_step_min(config: Mamba2Config) -> dict[str, Any]:
+    low, high = config.dt_limit
+    if high != math.inf:
+        raise ConversionError(
+            f"`dt_limit` = {list(config.dt_limit)} cannot be written: NemotronH clamps the time step to "
+            "[time_step_min, inf), with no upper limit"
+        )
+    return {"time_step_min": low}
+
+
+NEMOTRON_TIME_STEP = Computed(
+    ("dt_limit",), ("time_step_min",), import_=_nemotron_time_step_limit, export=_nemotron_time_step_min
+)
+
+_BIAS_FIELDS = ("add_linear_biases", *(f"{role}.bias.enabled" for role in (*IN_PROJ_COMPONENTS, "out_proj")))
+
+
+def _projection_biases(key: str) -> ConfigMapping:
+    """One flag for the biases of in_proj and out_proj."""
+
+    def export(config: Mamba2Config) -> dict[str, Any]:
+        in_proj, out_proj = config.has_bias(config.z), config.has_bias(config.out_proj)
+        if in_proj != out_proj:
+            raise ConversionError(
+                f"in_proj bias {in_proj}, out_proj bias {out_proj} cannot be written: `{key}` sets both alike"
+            )
+        return {key: in_proj}
+
+    return Computed(
+        _BIAS_FIELDS, (key,), import_=lambda data: {"add_linear_biases": bool(data.get(key, False))}, export=export
+    )
+
+
+def _convolution_bias(key: str) -> ConfigMapping:
+    # blockzoo's convolution bias is on unless disabled (`enabled` None means on).
+    return Computed(
+        ("convolution.bias.enabled",),
+        (key,),
+        import_=lambda data: {"convolution.bias.enabled": None if data.get(key, True) else False},
+        export=lambda config: {key: config.convolution.has_bias},
+    )
+
+
+# transformers' Mamba2 and Bamba normalize per group since this release, over the whole inner dimension before.
+_PER_GROUP_SINCE = (5, 23)
+
+
+def _transformers_norm_is_per_group(version: str | None) -> bool:
+    """Whether transformers `version` (None: the installed one; none installed: the newest) normalizes per group."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return True
+    release = re.match(r"(\d+)\.(\d+)", str(version))
+    return release is None or (int(release[1]), int(release[2])) >= _PER_GROUP_SINCE
+
+
+def _grouped_norm(per_group: bool | None) -> ConfigMapping:
+    """The format's gated norm: statistics per group (`per_group` true) or over the whole inner dimension (false),
+    or as the transformers release does (None: Mamba2 and Bamba changed in 5.23). With one group the two are the
+    same, and either is written."""
+
+    def import_(data: Mapping[str, Any]) -> dict[str, Any]:
+        grouped = (
+            per_group if per_group is not None else _transformers_norm_is_per_group(data.get("transformers_version"))
+        )
+        return {"normalization.per_group": grouped}
+
+    def export(config: Mamba2Config) -> dict[str, Any]:
+        grouped = per_group if per_group is not None else _transformers_norm_is_per_group(None)
+        if config.normalization.per_group != grouped and config.groups > 1:
+            where = "per group" if grouped else "over the whole inner dimension"
+            raise ConversionError(
+                f"`normalization.per_group` = {config.normalization.per_group} with {config.groups} groups cannot be "
+                f"written: the format normalizes {where} (in the installed transformers)"
+            )
+        return {}
+
+    return Computed(("normalization.per_group",), (), import_=import_, export=export)
+
+
+def _convolution_weight() -> WeightMapping:
+    # The depthwise filters: [channels, kernel_size] here, Conv1d's [channels, 1, kernel_size] there.
+    return ComputedWeights(
+        ("convolution.weight",),
+        ("conv1d.weight",),
+        import_=lambda tensors: [tensors[0].squeeze(1)],
+        export=lambda tensors: [tensors[0].unsqueeze(1)],
+    )
+
+
+def _weights(config: Mamba2Config) -> list[WeightMapping]:
+    mappings: list[WeightMapping] = [
+        Weight("in_proj.weight", "in_proj.weight"),
+        _convolution_weight(),
+        Weight("dt_bias", "dt_bias"),
+        Weight("a_log", "A_log"),
+        Weight("d", "D"),
+        Weight("normalization.weight", "norm.weight"),
+        Weight("out_proj.weight", "out_proj.weight"),
+    ]
+    if config.has_bias(config.z):
+        mappings.append(Weight("in_proj.bias", "in_proj.bias"))
+    if config.convolution.has_bias:
+        mappings.append(Weight("convolution.bias", "conv1d.bias"))
+    if config.has_bias(config.out_proj):
+        mappings.append(Weight("out_proj.bias", "out_proj.bias"))
+    return mappings
+
+
+INITIALIZATION_ONLY = "they set the initialization of dt_bias, not what the model computes"
+
+
+def mamba_2_section(
+    *,
+    name: str,
+    keys: Mapping[str, str],
+    per_group: bool | None,
+    time_step: ConfigMapping,
+    head_size: ConfigMapping | None = None,
+    extra: tuple[ConfigMapping, ...] = (),
+) -> Section:
+    """A Mamba 2 mixer under module `name`. `keys`: the format's key of each of heads, head_size, groups,
+    state_size, kernel_size, chunk_size, bias, convolution_bias, epsilon and activation (the convolution's, only
+    silu). `per_group`: how the format's gated norm takes its statistics (None: as the transformers release does).
+    `time_step`: the mapping of `dt_limit`;
+    `head_size`: of `head_size`, when not a plain key."""
+    return Section(
+        config_class=Mamba2Config,
+        name=name,
+        config=(
+            Rename("heads", keys["heads"]),
+            head_size if head_size is not None else Rename("head_size", keys["head_size"]),
+            Rename("groups", keys["groups"]),
+            Rename("state_size", keys["state_size"]),
+            Rename("chunk_size", keys["chunk_size"]),
+            Rename("convolution.kernel_size", keys["kernel_size"]),
+            _convolution_bias(keys["convolution_bias"]),
+            _projection_biases(keys["bias"]),
+            time_step,
+            Constant("d_per_channel", False),
+            Rename("normalization.epsilon", keys["epsilon"]),
+            _grouped_norm(per_group),
+            Fixed(keys["activation"], "silu"),
+            *extra,
+        ),
+        weights=_weights,
+    )
+
+
+def _bamba_head_size(data: Mapping[str, Any]) -> dict[str, Any]:
+    head_size = data.get("mamba_d_head", "auto")
+    if head_size == "auto":  # as transformers: the inner size split between the heads
+        head_size = int(data.get("mamba_expand", 2) * data["hidden_size"]) // data["mamba_n_heads"]
+    return {"head_size": head_size}
+
+
+SECTIONS: dict[str, Section] = {
+    "mamba2": mamba_2_section(
+        name="mixer",
+        keys={
+            "heads": "num_heads",
+            "head_size": "head_dim",
+            "groups": "n_groups",
+            "state_size": "state_size",
+            "kernel_size": "conv_kernel",
+            "chunk_size": "chunk_size",
+            "bias": "use_bias",
+            "convolution_bias": "use_conv_bias",
+            "epsilon": "layer_norm_epsilon",
+            "activation": "hidden_act",
+        },
+        per_group=None,
+        time_step=_time_step_limit("time_step_limit"),
+        extra=(
+            Ignored(theirs=("time_step_min", "time_step_max", "time_step_floor"), reason=INITIALIZATION_ONLY),
+            Ignored(theirs=("time_step_rank",), reason="a Mamba 1 key transformers' Mamba 2 does not use"),
+        ),
+    ),
+    "bamba": mamba_2_section(
+        name="mamba",
+        keys={
+            "heads": "mamba_n_heads",
+            "groups": "mamba_n_groups",
+            "state_size": "mamba_d_state",
+            "kernel_size": "mamba_d_conv",
+            "chunk_size": "mamba_chunk_size",
+            "bias": "mamba_proj_bias",
+            "convolution_bias": "mamba_conv_bias",
+            "epsilon": "rms_norm_eps",
+            "activation": "hidden_act",  # also the MLP's: a Bamba with Mamba layers has silu MLPs
+        },
+        per_group=None,
+        time_step=_time_step_limit("time_step_limit"),
+        head_size=Computed(
+            ("head_size",),
+            ("mamba_d_head",),
+            import_=_bamba_head_size,
+            export=lambda config: {"mamba_d_head": config.head_size},
+        ),
+    ),
+    "nemotron_h": mamba_2_section(
+        name="mixer",
+        keys={
+            "heads": "mamba_num_heads",
+            "head_size": "mamba_head_dim",
+            "groups": "n_groups",
+            "state_size": "ssm_state_size",
+            "kernel_size": "conv_kernel",
+            "chunk_size": "chunk_size",
+            "bias": "use_bias",
+            "convolution_bias": "use_conv_bias",
+            "epsilon": "layer_norm_epsilon",
+            "activation": "mamba_hidden_act",
+        },
+        per_group=True,
+        time_step=NEMOTRON_TIME_STEP,
+        extra=(
+            Ignored(theirs=("time_step_max", "time_step_floor"), reason=INITIALIZATION_ONLY),
+            Ignored(
+                theirs=("time_step_limit", "mamba_proj_bias", "expand"),
+                reason="transformers' NemotronH does not read them (the inner size is heads · head_dim, the time "
+                "step is clamped to [time_step_min, inf), the projections' bias is `use_bias`)",
+            ),
+            Ignored(theirs=("mamba_ssm_cache_dtype",), reason="the dtype of transformers' generation cache"),
+        ),
+    ),
+}
+
+
+def register_sections(register: Callable[[str, Section], None]) -> None:
+    """The Mamba 2 section of every Hugging Face format with Mamba 2 layers."""
+    for format_name, section in SECTIONS.items():
+        register(format_name, section)

@@ -1,0 +1,41 @@
+"""blockzoo's conformance kit on the Mamba 2 mixer's converter sections, one per Hugging Face format (mamba2, bamba,
+nemotron_h): registered without torch, every architecture field claimed, config and weights both ways bit for bit,
+every key written claimed. The formats themselves (against transformers) are blockzoo-huggingface's tests."""
+
+import math
+
+from blockzoo.testing import ConverterSectionConformance
+
+# Two groups (where the formats' norms differ), biases on in_proj and out_proj, none on the convolution.
+_MIXER = {
+    "type": "mamba_2",
+    "heads": 4,
+    "head_size": 4,
+    "groups": 2,
+    "state_size": 4,
+    "chunk_size": 8,
+    "convolution": {"kernel_size": 3, "bias": {"enabled": False}},
+    "add_linear_biases": True,
+}
+
+
+class TestMamba2Mamba2SectionConformance(ConverterSectionConformance):
+    kind, format_name = "mixer", "mamba2"
+
+    def config_factory(self):
+        return {**_MIXER, "dt_limit": [0.01, 5.0], "normalization": {"per_group": False, "epsilon": 1.0e-4}}
+
+
+class TestMamba2BambaSectionConformance(ConverterSectionConformance):
+    kind, format_name = "mixer", "bamba"
+
+    def config_factory(self):
+        return {**_MIXER, "dt_limit": [0.0, math.inf], "normalization": {"per_group": False, "epsilon": 1.0e-4}}
+
+
+class TestMamba2NemotronHSectionConformance(ConverterSectionConformance):
+    kind, format_name = "mixer", "nemotron_h"
+
+    def config_factory(self):
+        # NemotronH clamps the time step to [time_step_min, inf) and normalizes per group.
+        return {**_MIXER, "dt_limit": [0.2, math.inf], "normalization": {"per_group": True, "epsilon": 1.0e-4}}
