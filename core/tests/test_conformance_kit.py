@@ -44,7 +44,16 @@ from blockzoo.api import (
     hookimpl,
 )
 from blockzoo.plugins import register_plugin
-from blockzoo.testing import ConformanceError, ConverterSectionConformance, MixerConformance
+from blockzoo.testing import (
+    ConformanceError,
+    ConverterSectionConformance,
+    MixerConformance,
+    build_layer,
+    check_decoding,
+    check_matches_layer,
+    check_tensor_parallel,
+    single_process,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -423,6 +432,70 @@ def test_a_broken_section_fails_its_check(kittest, format_name, check_name, mess
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The public helpers plugins' own tests call
+
+
+@pytest.mark.distributed
+def test_check_tensor_parallel_lists_the_problems_of_every_case_and_refusal(kittest):
+    cases = {
+        "working": {"type": "kittest.previous_token", "channels": 8},
+        "normalizes-split-channels": {"type": "kittest.false_tensor_parallel", "channels": 4},
+    }
+    refused = [
+        ({"type": "kittest.previous_token", "channels": 5}, r"'channels' of size 5 cannot be split evenly between 2"),
+        ({"type": "kittest.previous_token", "channels": 3}, r"cannot be split evenly between 4"),
+        ({"type": "kittest.previous_token", "channels": 8}, r"must divide"),
+    ]
+    with pytest.raises(ConformanceError) as raised:
+        check_tensor_parallel(MixerConfig, cases, lengths=(5, 3, 4), tensor_parallel=2, refused=refused)
+    message = str(raised.value)
+    assert "working" not in message
+    assert re.search(r"^normalizes-split-channels: tensor_parallel=2: the output on rank [01] differs", message)
+    assert "\nnormalizes-split-channels: tensor_parallel=2 with sequence_tensor_parallel: the output" in message
+    assert "\nnormalizes-split-channels: tensor_parallel=2: decoding step 0 (3 tokens after 0) of sequence 0" in message
+    # The first refusal is right; the second is refused, but not with its message; the third is not refused at all.
+    assert "'channels': 5" not in message
+    assert re.search(
+        r"\ntensor_parallel=2: PreviousTokenConfig \{.*'channels': 3.*\} was refused with ValueError", message
+    )
+    assert re.search(r"\ntensor_parallel=2: PreviousTokenConfig \{.*'channels': 8.*\} was built; it should be", message)
+    assert "\nWhat to fix:\nA layer that declares tensor_parallel must give" in message
+
+
+def test_check_tensor_parallel_refuses_cases_it_cannot_split(kittest):
+    cases = {"odd": {"type": "kittest.previous_token", "channels": 3}, "typo": {"type": "kittest.no_such_type"}}
+    with pytest.raises(ConformanceError, match=r"(?s)case 'typo' does not structure as MixerConfig: .*unknown mixer"):
+        check_tensor_parallel(MixerConfig, cases)
+    with pytest.raises(ConformanceError, match=r"case 'odd' cannot be split between 2 tensor-parallel ranks: channels"):
+        check_tensor_parallel(PreviousTokenConfig, {"odd": {"channels": 3}})
+
+
+def test_check_matches_layer_compares_outputs_and_gradients(kittest):
+    fp32 = build_layer(PreviousTokenConfig(channels=8))
+    bf16 = build_layer(PreviousTokenConfig(channels=8), distributed=single_process(compute_dtype="bf16"))
+    check_matches_layer(bf16, fp32, lengths=[5, 1, 6], dtype=torch.bfloat16, output_tolerance={"relative": 2e-2})
+    leaky = build_layer(LeakyConfig(channels=8))  # The same parameters, but each document sees the one before.
+    with pytest.raises(ConformanceError) as raised:
+        check_matches_layer(leaky, fp32, lengths=[5, 1, 6], output_tolerance={"atol": 1e-5, "rtol": 1e-5})
+    lines = str(raised.value).splitlines()
+    assert lines[0].startswith("the output differs (max abs difference")
+    assert lines[1].startswith("the input gradient differs")
+    assert {line.split(" differs")[0] for line in lines[2:]} == {
+        f"the gradient of {name!r}" for name in ("input.weight", "output.weight", "mix")
+    }
+
+
+def test_check_decoding_names_the_first_step_that_differs(kittest):
+    steps = [(20, 9), (1, 2), (1, 1)]
+    check_decoding(build_layer(PreviousTokenConfig()), tolerance={"relative": 1e-6}, lengths=[22, 12], steps=steps)
+    forgetful = build_layer(ForgetfulConfig())
+    with pytest.raises(ConformanceError, match=r"^decoding step 1 \(1 tokens after 20\) of sequence 0 differs \(rel"):
+        check_decoding(forgetful, tolerance={"relative": 1e-6}, lengths=[22, 12], steps=steps)
+    with pytest.raises(ValueError, match=r"do not add up to the sequences' lengths \[22, 13\]"):
+        check_decoding(forgetful, tolerance={"relative": 1e-6}, lengths=[22, 13], steps=steps)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Through pytest, as an author sees it: shape, leak and a false tensor-parallel claim (gloo ranks)
 
 AUTHOR_TESTS = f"""
@@ -470,10 +543,12 @@ def test_pytest_reports_broken_plugins_with_what_to_fix(pytester):
     assert "Information crosses a document boundary" in output
     # Both tensor-parallel layouts, the outputs and the gradients, then what to fix, once each.
     assert re.search(
-        r"ConformanceError: tensor_parallel=2: the output on rank [01] differs \(max abs difference", output
+        r"ConformanceError: config_factory\(\): tensor_parallel=2: the output on rank [01] differs \(max abs", output
     )
-    assert re.search(r"\nE +tensor_parallel=2 with sequence_tensor_parallel: the output on rank [01] differs", output)
-    assert re.search(r"\nE +tensor_parallel=2: the gradient of 'input.weight' differs", output)
+    assert re.search(
+        r"\nE +config_factory\(\): tensor_parallel=2 with sequence_tensor_parallel: the output on rank", output
+    )
+    assert re.search(r"\nE +config_factory\(\): tensor_parallel=2: the gradient of 'input.weight' differs", output)
     assert re.search(
         r"\nE +What to fix:\nE +A layer that declares tensor_parallel must give the single-process", output
     )

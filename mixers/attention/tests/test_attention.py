@@ -6,9 +6,10 @@ import warnings
 import attrs
 import pytest
 import torch
-from attention_reference import build, inputs, reference_forward, run
+from attention_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
+from blockzoo.testing import layer_inputs, run_layer
 from blockzoo_attention.attention import Attention
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import KERNELS, TorchKernel, select_kernel
@@ -51,7 +52,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_per_token_loop(case):
     layer = build(CASES[case])
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
     torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
@@ -69,11 +70,11 @@ def test_packed_documents_equal_separate_runs(case, chunk_tokens, monkeypatch):
     # The CPU kernel attends over chunks of whole documents; small chunks split this batch into several.
     monkeypatch.setattr(TorchKernel, "chunk_tokens", chunk_tokens)
     layer = build(CASES[case])
-    hidden, loss_weights = inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    hidden, loss_weights = layer_inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
     outputs, input_grads, grads = [], [], []
     for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
         outputs.append(output)
         input_grads.append(input_grad)
         grads.append(document_grads)
@@ -87,7 +88,7 @@ def test_packed_documents_equal_separate_runs(case, chunk_tokens, monkeypatch):
 def test_kv_cache_decoding_equals_the_full_forward(case):
     layer = build(CASES[case])
     full_lengths = [8, 6]
-    hidden, _ = inputs(sum(full_lengths))
+    hidden, _ = layer_inputs(sum(full_lengths))
     with torch.no_grad():
         expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
     sequences = hidden.split(full_lengths)
@@ -111,7 +112,7 @@ def test_kv_cache_decoding_equals_the_full_forward(case):
 def test_kv_cache_errors():
     layer = build(SMALL)
     state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = inputs(3)
+    hidden, _ = layer_inputs(3)
     with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
         layer(hidden, Batch([2, 1]), state)
     with pytest.raises(ValueError, match="the batch has 1 sequences but the cache holds 2"):
@@ -164,7 +165,7 @@ def test_every_field_changes_parameters_or_outputs():
     assert declared == {*FIELD_CHANGES, "implementation"}, "a field without a test case"
     base_config = {**SMALL, "head_groups": 4}
     base = build(base_config)
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         base_output = base(hidden, Batch(LENGTHS))
     for name, change in FIELD_CHANGES.items():
@@ -190,7 +191,7 @@ def test_value_config_is_honoured_for_its_rows():
 
 @pytest.mark.parametrize("case", ["gqa-window-llama3", "non-causal-gqa"])
 def test_flex_kernel_matches_the_torch_kernel_on_cpu(case):
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FlexAttention warns that it runs uncompiled.
         flex = build({**CASES[case], "implementation": "flex"})(hidden, Batch(LENGTHS))
@@ -209,7 +210,7 @@ def test_auto_picks_the_torch_kernel_on_cpu():
 
 def test_rotary_tables_are_shared_only_by_equal_settings():
     batch = Batch(LENGTHS)
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         build({**SMALL, "rotary": {"theta": 100.0}})(hidden, batch)
         build({**SMALL, "rotary": {"theta": 100.0}})(hidden, batch)
@@ -243,7 +244,7 @@ def test_flops_against_a_hand_count():
 
 def test_hidden_size_differs_from_heads_times_head_size():
     layer = build({"heads": 3, "head_groups": 1, "head_size": 6}, hidden=10)
-    hidden, _ = inputs(6, hidden=10)
+    hidden, _ = layer_inputs(6, 10)
     with torch.no_grad():
         output = layer(hidden, Batch([4, 2]))
     assert output.shape == (6, 10) and layer.query.weight.shape == (18, 10) and layer.dense.weight.shape == (10, 18)

@@ -7,11 +7,12 @@ import inspect
 import attrs
 import pytest
 import torch
-from dm2_reference import RANDOM, RANDOM_BIAS, SMALL, build, inputs, reference_forward, run
+from dm2_reference import RANDOM, RANDOM_BIAS, SMALL, build, reference_forward
 
 import blockzoo
 import blockzoo_discrete_mamba_2.mixer as mixer_module
 from blockzoo.layers.base import Batch
+from blockzoo.testing import layer_inputs, run_layer
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
 
 LENGTHS = [7, 1, 10]  # Not multiples of the chunk size (4); one document shorter than the convolution.
@@ -38,7 +39,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_step_by_step_loop(case):
     layer = build(CASES[case])
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
     torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=1e-5, rtol=1e-5)
@@ -67,7 +68,7 @@ def test_matches_transformers_mamba2_chunk_scan(case):
             dt_softplus=True,
         )[0]
 
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
         expected = reference_forward(layer, hidden, LENGTHS, scan=transformers_scan)
@@ -77,11 +78,11 @@ def test_matches_transformers_mamba2_chunk_scan(case):
 @pytest.mark.parametrize("case", CASES)
 def test_packed_documents_equal_separate_runs(case):
     layer = build(CASES[case])
-    hidden, loss_weights = inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    hidden, loss_weights = layer_inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
     outputs, input_grads, grads = [], [], []
     for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
         outputs.append(output)
         input_grads.append(input_grad)
         grads.append(document_grads)
@@ -96,7 +97,7 @@ def test_packed_documents_equal_separate_runs(case):
 def test_decoding_equals_the_full_forward(case):
     layer = build(CASES[case])
     full_lengths = [9, 6]
-    hidden, _ = inputs(sum(full_lengths))
+    hidden, _ = layer_inputs(sum(full_lengths))
     with torch.no_grad():
         expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
     sequences = hidden.split(full_lengths)
@@ -120,7 +121,7 @@ def test_decoding_equals_the_full_forward(case):
 def test_generation_state_errors():
     layer = build(SMALL)
     state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = inputs(3)
+    hidden, _ = layer_inputs(3)
     with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
         layer(hidden, Batch([2, 1]), state)
     with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
@@ -235,7 +236,7 @@ def _changes_something(base_config: dict, change: dict) -> bool:
     base, layer = build(base_config), build({**base_config, **change})
     if _differ(_parameters(base), _parameters(layer)):
         return True
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         return not torch.allclose(base(hidden, Batch(LENGTHS)), layer(hidden, Batch(LENGTHS)))
 
@@ -261,7 +262,7 @@ def test_chunk_size_reaches_the_scan(monkeypatch):
         return scan(*args, chunk_size=chunk_size, **kwargs)
 
     monkeypatch.setattr(mixer_module, "ssd_scan", recording_scan)
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         build({**SMALL, "chunk_size": 5})(hidden, Batch(LENGTHS))
     assert seen == [5]

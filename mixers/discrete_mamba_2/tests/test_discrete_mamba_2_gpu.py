@@ -8,10 +8,9 @@ Tolerances are relative errors ‖x − reference‖ / ‖reference‖: fp32 2e-
 
 import pytest
 import torch
-from dm2_reference import SEED, build, inputs
+from dm2_reference import SEED, build
 
-from blockzoo.api import Distributed, DistributedConfig
-from blockzoo.layers.base import Batch
+from blockzoo.testing import check_decoding, check_matches_layer, single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -30,58 +29,25 @@ CASES = {
         "convolution": {"kernel_size": 3},
     },
 }
-OUTPUT_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
-GRADIENT_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
-
-
-def _gpu() -> Distributed:
-    return Distributed(DistributedConfig(seed=SEED, backend="nccl"), world_size=1, rank=0, local_rank=0)
-
-
-def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    reference = reference.detach().float().cpu()
-    return float((value.detach().float().cpu() - reference).norm() / reference.norm())
-
-
-def _forward_backward(layer, hidden, loss_weights, lengths):
-    hidden = hidden.clone().requires_grad_()
-    output = layer(hidden, Batch(lengths, device=hidden.device))
-    (output.float() * loss_weights).sum().backward()
-    return output, hidden.grad, {name: parameter.grad for name, parameter in layer.named_parameters()}
+OUTPUT_TOLERANCE = {torch.float32: {"relative": 2e-3}, torch.bfloat16: {"relative": 3e-2}}
+GRADIENT_TOLERANCE = {torch.float32: {"relative": 2e-3}, torch.bfloat16: {"relative": 5e-2}}
+# Prefill prompts of different lengths, a chunk, then one token at a time.
+DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_matches_the_cpu_path(case, dtype):
-    hidden, loss_weights = inputs(sum(LENGTHS), HIDDEN)
-    reference = build(CASES[case], hidden=HIDDEN)
-    expected, expected_input_grad, expected_grads = _forward_backward(reference, hidden, loss_weights, LENGTHS)
-
-    layer = build(CASES[case], _gpu(), hidden=HIDDEN)
-    output, input_grad, grads = _forward_backward(layer, hidden.cuda().to(dtype), loss_weights.cuda(), LENGTHS)
-    assert output.dtype == dtype and torch.isfinite(output).all()
-    assert _relative_error(output, expected) < OUTPUT_TOLERANCE[dtype]
-    assert _relative_error(input_grad, expected_input_grad) < GRADIENT_TOLERANCE[dtype]
-    for name, gradient in grads.items():
-        assert torch.isfinite(gradient).all(), name
-        assert _relative_error(gradient, expected_grads[name]) < GRADIENT_TOLERANCE[dtype], name
+    check_matches_layer(
+        build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN),
+        build(CASES[case], hidden=HIDDEN),
+        lengths=LENGTHS,
+        dtype=dtype,
+        output_tolerance=OUTPUT_TOLERANCE[dtype],
+        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
+    )
 
 
 def test_cuda_decoding_equals_the_full_forward():
-    layer = build(CASES["grouped-identity"], _gpu(), hidden=HIDDEN)
-    full_lengths = [40, 29]
-    hidden = inputs(sum(full_lengths), HIDDEN)[0].cuda()
-    with torch.no_grad():
-        expected = layer(hidden, Batch(full_lengths, device="cuda")).split(full_lengths)
-    sequences, past, outputs = hidden.split(full_lengths), [0, 0], [[], []]
-    state = layer.new_state(2, 64, torch.device("cuda"), torch.float32)
-    with torch.no_grad():
-        for lengths in [[36, 20], [2, 7], [1, 1], [1, 1]]:
-            chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
-            batch = Batch(lengths, past_lengths=past, device="cuda")
-            for index, part in enumerate(layer(chunk, batch, state).split(lengths)):
-                outputs[index].append(part)
-            past = [p + n for p, n in zip(past, lengths)]
-    for index in range(2):
-        expected_part = expected[index][: past[index]]
-        assert _relative_error(torch.cat(outputs[index]), expected_part) < OUTPUT_TOLERANCE[torch.float32]
+    layer = build(CASES["grouped-identity"], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)

@@ -12,9 +12,9 @@ import math
 import torch
 
 from blockzoo import config as configs
-from blockzoo.api import Distributed, DistributedConfig, TensorDim
-from blockzoo.layers.base import Batch
+from blockzoo.api import Distributed
 from blockzoo.layers.config import LayerNormalizationConfig, RMSNormalizationConfig
+from blockzoo.testing import build_layer, single_process
 from blockzoo_mamba.config import MambaConfig
 from blockzoo_mamba.mamba import Mamba
 
@@ -26,35 +26,9 @@ def mamba_config(data: dict) -> MambaConfig:
     return configs.structure(data, MambaConfig)
 
 
-def single_process(**options) -> Distributed:
-    """One CPU process (gloo: on a CUDA machine `auto` would choose the GPU), the reference the others match."""
-    options = {"backend": "gloo", **options}
-    return Distributed(DistributedConfig(seed=SEED, **options), world_size=1, rank=0, local_rank=0)
-
-
 def build(data: dict, distributed: Distributed | None = None, hidden: int = HIDDEN) -> Mamba:
-    return Mamba(
-        mamba_config(data),
-        name="mixer",
-        hidden_dim=TensorDim("hidden", hidden),
-        distributed=distributed or single_process(),
-        lr_scale=1.0,
-    )
-
-
-def inputs(tokens: int, hidden: int = HIDDEN, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states and the weights of a loss sum(output · weights)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, hidden, generator=generator), torch.randn(tokens, hidden, generator=generator)
-
-
-def run(layer: Mamba, hidden: torch.Tensor, batch: Batch, loss_weights: torch.Tensor):
-    """Output, input gradient and {name: gradient} of the loss sum(output · loss_weights)."""
-    layer.zero_grad()
-    hidden = hidden.clone().requires_grad_()
-    output = layer(hidden, batch)
-    (output * loss_weights).sum().backward()
-    return output.detach(), hidden.grad, {name: p.grad.clone() for name, p in layer.named_parameters()}
+    """The mixer of `data` on `distributed` (default: one CPU process seeded with SEED, the reference)."""
+    return build_layer(mamba_config(data), hidden, distributed or single_process(SEED))
 
 
 def _value(parameter: torch.Tensor | None) -> torch.Tensor | None:

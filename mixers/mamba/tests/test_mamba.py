@@ -5,9 +5,10 @@ field, FLOPs, and the generation state's errors."""
 import attrs
 import pytest
 import torch
-from mamba_reference import build, inputs, reference_forward, run
+from mamba_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
+from blockzoo.testing import layer_inputs, run_layer
 from blockzoo_mamba.config import ConvolutionConfig, MambaConfig
 from blockzoo_mamba.mamba import Mamba
 
@@ -67,7 +68,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_step_by_step_reference(case):
     layer = build(CASES[case])
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
     torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
@@ -76,11 +77,11 @@ def test_matches_a_step_by_step_reference(case):
 @pytest.mark.parametrize("case", CASES)
 def test_packed_documents_equal_separate_runs(case):
     layer = build(CASES[case])
-    hidden, loss_weights = inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    hidden, loss_weights = layer_inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
     outputs, input_grads, grads = [], [], []
     for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
         outputs.append(output)
         input_grads.append(input_grad)
         grads.append(document_grads)
@@ -144,7 +145,7 @@ def test_default_initializations():
 def test_generation_equals_the_full_forward(case):
     layer = build(CASES[case])
     full_lengths = [8, 6]
-    hidden, _ = inputs(sum(full_lengths))
+    hidden, _ = layer_inputs(sum(full_lengths))
     with torch.no_grad():
         expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
     sequences = hidden.split(full_lengths)
@@ -173,7 +174,7 @@ def test_generation_state_shapes_and_errors():
     assert state.ssm.shape == (3, 24, 4) and state.ssm.dtype == torch.float32
     layer = build({"state_size": 4})
     state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = inputs(3)
+    hidden, _ = layer_inputs(3)
     with pytest.raises(ValueError, match=r"a generation state needs `batch\.past_lengths`"):
         layer(hidden, Batch([2, 1]), state)
     with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
@@ -184,7 +185,7 @@ def test_hidden_size_sets_the_default_sizes():
     layer = build({"state_size": 4}, hidden=40)  # inner 2 × 40, dt_rank ceil(40 / 16) = 3
     assert layer.in_proj.weight.shape == (160, 40) and layer.dt_proj.weight.shape == (80, 3)
     assert build({"state_size": 4, "expand": 3}, hidden=8).in_proj.weight.shape == (48, 8)
-    hidden, _ = inputs(6, hidden=40)
+    hidden, _ = layer_inputs(6, 40)
     with torch.no_grad():
         output = layer(hidden, Batch([4, 2]))
     torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-6, rtol=1e-5)
@@ -259,7 +260,7 @@ def _changes_something(base_config: dict, change: dict) -> bool:
     assert layer.config.explicit_fields() >= set(change)
     if _differ(_parameters(base), _parameters(layer)):
         return True
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         return not torch.allclose(layer(hidden, Batch(LENGTHS)), base(hidden, Batch(LENGTHS)))
 

@@ -4,10 +4,11 @@ generation state against the full forward, every config field, per-component in_
 import attrs
 import pytest
 import torch
-from mamba_2_reference import AROUND_ONE, RANDOM, build, inputs, reference_forward, run, single_process
+from mamba_2_reference import AROUND_ONE, RANDOM, SEED, build, reference_forward
 
 import blockzoo_mamba_2.mamba_2 as mamba_2_module
 from blockzoo.layers.base import Batch
+from blockzoo.testing import layer_inputs, run_layer, single_process
 from blockzoo_mamba_2.config import ConvolutionConfig, GatedNormalizationConfig, Mamba2Config
 from blockzoo_mamba_2.mamba_2 import Mamba2
 
@@ -51,7 +52,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_per_token_loop(case):
     layer = build(CASES[case])
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
     torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-5, rtol=1e-4)
@@ -60,11 +61,11 @@ def test_matches_a_per_token_loop(case):
 @pytest.mark.parametrize("case", CASES)
 def test_packed_documents_equal_separate_runs(case):
     layer = build(CASES[case])
-    hidden, loss_weights = inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run(layer, hidden, Batch(LENGTHS), loss_weights)
+    hidden, loss_weights = layer_inputs(sum(LENGTHS))
+    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
     outputs, input_grads, grads = [], [], []
     for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run(layer, document, Batch([len(document)]), weights)
+        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
         outputs.append(output)
         input_grads.append(input_grad)
         grads.append(document_grads)
@@ -123,7 +124,7 @@ def test_default_initializations():
 def test_generation_state_equals_the_full_forward(case):
     layer = build(CASES[case])
     full_lengths = [8, 6]
-    hidden, _ = inputs(sum(full_lengths))
+    hidden, _ = layer_inputs(sum(full_lengths))
     with torch.no_grad():
         expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
     sequences = hidden.split(full_lengths)
@@ -147,11 +148,11 @@ def test_generation_state_equals_the_full_forward(case):
 
 def test_bf16_compute_is_close_to_fp32():
     """Activations in bf16 (master weights fp32): the output keeps the dtype, gradients reach fp32 weights."""
-    hidden, loss_weights = inputs(sum(LENGTHS))
+    hidden, loss_weights = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         expected = build(CASES["groups-per-group-norm"])(hidden, Batch(LENGTHS))
-    layer = build(CASES["groups-per-group-norm"], single_process(compute_dtype="bf16"))
-    output, input_grad, grads = run(layer, hidden.bfloat16(), Batch(LENGTHS), loss_weights)
+    layer = build(CASES["groups-per-group-norm"], single_process(SEED, compute_dtype="bf16"))
+    output, input_grad, grads = run_layer(layer, hidden.bfloat16(), Batch(LENGTHS), loss_weights)
     assert output.dtype == input_grad.dtype == torch.bfloat16
     assert all(gradient.dtype == torch.float32 and bool(torch.isfinite(gradient).all()) for gradient in grads.values())
     assert float((output.float() - expected).norm() / expected.norm()) < 3e-2
@@ -160,7 +161,7 @@ def test_bf16_compute_is_close_to_fp32():
 def test_generation_state_errors():
     layer = build(SMALL)
     state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = inputs(3)
+    hidden, _ = layer_inputs(3)
     with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
         layer(hidden, Batch([2, 1]), state)
     with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
@@ -236,7 +237,7 @@ def test_every_field_changes_parameters_or_outputs():
     nested = {(owner, field.name) for owner, cls in _NESTED for field in attrs.fields(cls)}
     assert nested == set(NESTED_CHANGES), "a nested field untested"
     base = build(FIELD_BASE)
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         base_output = base(hidden, Batch(LENGTHS))
     for name, change in FIELD_CHANGES.items():
@@ -247,7 +248,7 @@ def test_every_field_changes_parameters_or_outputs():
 
 def test_chunk_size_reaches_the_scan_and_changes_only_rounding(monkeypatch):
     """The chunk size splits the scan's work, not its result: the scan is called with it, and the outputs agree."""
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     outputs, seen = [], []
     scan = mamba_2_module.ssd_scan
 
@@ -275,7 +276,7 @@ def test_in_proj_components_are_honoured_for_their_rows():
 
 def test_hidden_size_differs_from_the_inner_size():
     layer = build({"heads": 3, "head_size": 5, "state_size": 2, "chunk_size": 4}, hidden=10)
-    hidden, _ = inputs(6, hidden=10)
+    hidden, _ = layer_inputs(6, 10)
     with torch.no_grad():
         output = layer(hidden, Batch([4, 2]))
     assert output.shape == (6, 10) and layer.out_proj.weight.shape == (10, 15)

@@ -12,9 +12,10 @@ import inspect
 
 import pytest
 import torch
-from mamba_2_reference import AROUND_ONE, RANDOM, build, inputs
+from mamba_2_reference import AROUND_ONE, RANDOM, build
 
 from blockzoo.layers.base import Batch
+from blockzoo.testing import layer_inputs
 
 transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("mamba_ssm") is not None:
@@ -27,6 +28,8 @@ def _hf_norm_is_per_group() -> bool:
     from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
     return "group_size" in inspect.signature(MambaRMSNormGated).parameters
+
+
 CASES = {
     "two-groups-biases": {
         "groups": 2,
@@ -92,7 +95,7 @@ def test_matches_transformers_mamba2_mixer(case):
     }
     layer = build(data)
     mixer = _hf_mixer(layer)
-    hidden, _ = inputs(sum(LENGTHS))
+    hidden, _ = layer_inputs(sum(LENGTHS))
     with torch.no_grad():
         output = layer(hidden, Batch(LENGTHS))
         expected = torch.cat([mixer(document[None])[0] for document in hidden.split(LENGTHS)])

@@ -3,6 +3,12 @@
 - The conformance kit (`blockzoo.testing.conformance`): subclass `MixerConformance` or `MLPConformance` (or
   `ConverterSectionConformance` for a checkpoint-format section) in a test module and provide `config_factory`;
   pytest runs the inherited checks.
+- What a plugin's own tests share with every other plugin's (`blockzoo.testing.layers`): `single_process(seed)`,
+  `build_layer(config, hidden_size, distributed)`, `layer_inputs(tokens, hidden_size)`, `run_layer(...)` ->
+  `LayerRun`, `relative_error`, and the checks `check_matches_layer` (the same layer elsewhere: CUDA, bf16) and
+  `check_decoding` (generation against the full forward).
+- `check_tensor_parallel(config_class, cases, ...)` (`blockzoo.testing.parallel`): cases split between gloo ranks
+  against one process, all in one set of processes.
 - `run_distributed(world_size, fn, *args)` (`blockzoo.testing.distributed`): gloo ranks on the CPU.
 
 The names load on first access: importing this package imports no torch (pytest loads `blockzoo.testing.pytest_plugin`
@@ -15,13 +21,22 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "ConformanceError": "blockzoo.testing.conformance",
+    "ConformanceError": "blockzoo.testing.layers",
     "ConverterSectionConformance": "blockzoo.testing.conformance",
     "LayerConformance": "blockzoo.testing.conformance",
     "MixerConformance": "blockzoo.testing.conformance",
     "MLPConformance": "blockzoo.testing.conformance",
     "free_port": "blockzoo.testing.distributed",
     "run_distributed": "blockzoo.testing.distributed",
+    "LayerRun": "blockzoo.testing.layers",
+    "build_layer": "blockzoo.testing.layers",
+    "check_decoding": "blockzoo.testing.layers",
+    "check_matches_layer": "blockzoo.testing.layers",
+    "layer_inputs": "blockzoo.testing.layers",
+    "relative_error": "blockzoo.testing.layers",
+    "run_layer": "blockzoo.testing.layers",
+    "single_process": "blockzoo.testing.layers",
+    "check_tensor_parallel": "blockzoo.testing.parallel",
 }
 
 __all__ = list(_LAZY)

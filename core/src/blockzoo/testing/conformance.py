@@ -22,6 +22,9 @@ Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_par
 - declared capabilities: `tensor_parallel` (and `sequence_tensor_parallel`) on gloo ranks against one process,
   outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
 - a model using the layer survives a checkpoint save / load; `flops` is reported and scales with the tokens.
+
+The pieces these checks are made of serve a plugin's own tests too: `blockzoo.testing.layers` (build a layer, run
+it, compare it) and `blockzoo.testing.parallel` (`check_tensor_parallel` on many cases at once).
 """
 
 from __future__ import annotations
@@ -57,26 +60,23 @@ from blockzoo.conversion import (
     sections,
     unclaimed_fields,
 )
-from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import MLP, Batch, Layer, Mixer
-from blockzoo.layers.config import (
-    GENERATION_CACHE,
-    SEQUENCE_TENSOR_PARALLEL,
-    TENSOR_PARALLEL,
-    MixerConfig,
-    MLPConfig,
-)
-from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.config import GENERATION_CACHE, TENSOR_PARALLEL, MixerConfig, MLPConfig
 from blockzoo.layers.parameter import materialize
 from blockzoo.plugins import ENTRY_POINT_GROUP, TypeEntry, get_registry
-from blockzoo.testing.distributed import run_distributed
+from blockzoo.testing.layers import (
+    ConformanceError,
+    _build,
+    _mismatch,
+    check_decoding,
+    layer_inputs,
+    run_layer,
+    single_process,
+)
+from blockzoo.testing.parallel import check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class ConformanceError(AssertionError):
-    """A plugin does not meet the layer contract; the message says what to change."""
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -303,9 +303,9 @@ class LayerConformance:
     def test_packed_documents_equal_separate_runs(self) -> None:
         layer = self._build(self._config())
         hidden, weights = self._inputs(sum(self.lengths))
-        packed = _run(layer, hidden, Batch(self.lengths), weights)
+        packed = run_layer(layer, hidden, Batch(self.lengths), weights)
         alone = [
-            _run(layer, document, Batch([len(document)]), document_weights)
+            run_layer(layer, document, Batch([len(document)]), document_weights)
             for document, document_weights in zip(hidden.split(self.lengths), weights.split(self.lengths))
         ]
         fix = (
@@ -417,43 +417,21 @@ class LayerConformance:
         if TENSOR_PARALLEL not in config.capabilities:
             pytest.skip(f"{type(config).__name__} does not declare tensor_parallel")
         for size in self.tensor_parallel_sizes:
-            try:
-                config.check_tensor_parallel(size)
-            except Exception as error:  # noqa: BLE001
-                _fail(
-                    f"the test config cannot be split between {size} tensor-parallel ranks ({error}): make "
-                    f"config_factory return one that can, or set tensor_parallel_sizes"
-                )
-            job = _ParallelJob(
-                implementation=self._implementation(self._entry()),
-                config=config,
+            check_tensor_parallel(
+                self.kind_config,
+                {"config_factory()": config},
                 hidden_size=self.hidden_size,
-                lengths=tuple(self.lengths),
-                tolerance=dict(self.tolerance),
-                seed=self.seed,
+                lengths=self.lengths,
+                tolerance=self.tolerance,
                 tensor_parallel=size,
-                sequence_tensor_parallel=SEQUENCE_TENSOR_PARALLEL in config.capabilities,
-                generation=self.kind == "mixer" and GENERATION_CACHE in config.capabilities,
-                kind=self.kind,
+                seed=self.seed,
             )
-            try:
-                run_distributed(size, _check_parallel, job)
-            except Exception as error:
-                # Show the ranks' findings as this test's failure, not as a traceback of a child process.
-                marker = f"{ConformanceError.__name__}: "
-                message = str(error)
-                if marker not in message:
-                    raise
-                raise ConformanceError(message[message.rindex(marker) + len(marker) :].strip()) from None
 
     def test_generation_equals_the_full_forward(self) -> None:
         config = self._config()
         if GENERATION_CACHE not in config.capabilities:
             pytest.skip(f"{type(config).__name__} does not declare generation_cache")
-        layer = self._build(config)
-        problems = _decoding_problems(layer, self._inputs, layer, dict(self.tolerance), self.kind)
-        if problems:
-            _fail("\n".join([*problems, _DECODING_FIX]))
+        check_decoding(self._build(config), tolerance=self.tolerance)
 
     # -- in a model --------------------------------------------------------------------------------------------------
 
@@ -545,14 +523,14 @@ class LayerConformance:
             _fail(f"the implementation {entry.implementation!r} of {entry.name!r} does not import: {error!r}")
 
     def _single_process(self, compute_dtype: str = "fp32") -> Distributed:
-        return _single_process(self.seed, compute_dtype)
+        return single_process(self.seed, compute_dtype=compute_dtype)
 
     def _build(self, config: Config, distributed: Distributed | None = None) -> Layer:
         implementation = self._implementation(self._entry())
-        return _build(implementation, config, self.kind, self.hidden_size, distributed or self._single_process())
+        return _build(implementation, config, self.hidden_size, distributed or self._single_process())
 
     def _inputs(self, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return _inputs(tokens, self.hidden_size, seed)
+        return layer_inputs(tokens, self.hidden_size, seed)
 
     def _assert_close(self, actual: torch.Tensor, expected: torch.Tensor, what: str, fix: str) -> None:
         problem = _mismatch(actual, expected, self.tolerance, what)
@@ -674,7 +652,7 @@ class ConverterSectionConformance:
 
     def test_weights_round_trip(self) -> None:
         config = self._config()
-        layer = _build(self._entry().load_implementation(), config, self.kind, self.hidden_size, self._distributed())
+        layer = _build(self._entry().load_implementation(), config, self.hidden_size, self._distributed())
         generator = torch.Generator().manual_seed(self.seed)
         parameters = {
             name: parameter.detach() + torch.randn(parameter.shape, generator=generator)
@@ -743,7 +721,7 @@ class ConverterSectionConformance:
             _fail(f"exporting config_factory()'s config fails: {error}")
 
     def _distributed(self) -> Distributed:
-        return _single_process(self.seed)
+        return single_process(self.seed)
 
 
 def _value_at(config: Config, path: str) -> Any:
@@ -763,95 +741,6 @@ def _same_architecture(first: Any, second: Any) -> bool:
             if attribute.name not in TRAINING_FIELDS
         )
     return first == second
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Shared by the checks on one process and on gloo ranks
-
-
-def _single_process(seed: int, compute_dtype: str = "fp32") -> Distributed:
-    # gloo: one CPU process (on a CUDA machine `auto` would choose the GPU).
-    config = DistributedConfig(seed=seed, backend="gloo", compute_dtype=compute_dtype)
-    return Distributed(config, world_size=1, rank=0, local_rank=0)
-
-
-def _build(implementation: Any, config: Config, kind: str, hidden_size: int, distributed: Distributed) -> Layer:
-    return implementation(
-        config, name=kind, hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1.0
-    )
-
-
-def _inputs(tokens: int, hidden_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states and the weights of the loss sum(output · weights)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, hidden_size, generator=generator), torch.randn(tokens, hidden_size, generator=generator)
-
-
-@dataclasses.dataclass
-class _Run:
-    output: torch.Tensor
-    input_grad: torch.Tensor
-    grads: dict[str, torch.Tensor]
-
-
-def _run(layer: Layer, hidden: torch.Tensor, batch: Batch, weights: torch.Tensor) -> _Run:
-    """Output, input gradient and parameter gradients of the loss sum(output · weights)."""
-    layer.zero_grad(set_to_none=True)
-    hidden = hidden.detach().clone().requires_grad_()
-    output = layer(hidden, batch)
-    (output * weights).sum().backward()
-    grads = {
-        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.clone()
-        for name, parameter in layer.named_parameters()
-        if parameter.requires_grad
-    }
-    input_grad = torch.zeros_like(hidden) if hidden.grad is None else hidden.grad
-    return _Run(output.detach(), input_grad, grads)
-
-
-def _mismatch(actual: torch.Tensor, expected: torch.Tensor, tolerance: Mapping[str, float], what: str) -> str | None:
-    if actual.shape != expected.shape:
-        return f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-    actual, expected = actual.detach().double(), expected.detach().double()
-    if torch.allclose(actual, expected, **tolerance):
-        return None
-    difference = (actual - expected).abs().nan_to_num(float("inf"))
-    return (
-        f"{what} differs (max abs difference {difference.max().item():.3g} at "
-        f"{[int(i) for i in torch.unravel_index(difference.argmax(), difference.shape)]}, beyond "
-        f"{', '.join(f'{key}={value:g}' for key, value in tolerance.items())})"
-    )
-
-
-_DECODING_FIX = (
-    "new_state(...) must hold all that forward needs from earlier tokens (KV cache, convolution window, recurrent "
-    "state), and forward(hidden, batch, state) with batch.past_lengths set must read it and append the batch's tokens "
-    "(document i of the batch is sequence i of the state)."
-)
-
-
-def _decoding_problems(layer: Layer, inputs: Any, reference: Layer, tolerance: Mapping[str, float], kind: str) -> list:
-    """Prefill part of two sequences, a chunk of several tokens, then one token at a time: each step's outputs must
-    equal the rows of `reference`'s full forward (the layer and the reference may be laid out differently)."""
-    full_lengths, steps = [6, 4], [[3, 2], [2, 1], [1, 1]]
-    hidden, _ = inputs(sum(full_lengths))
-    with torch.no_grad():
-        expected = reference(hidden, Batch(full_lengths)).split(full_lengths)
-    cpu = torch.device("cpu")
-    state = layer.new_state(len(full_lengths), max(full_lengths), cpu, torch.float32) if kind == "mixer" else None
-    sequences, past = hidden.split(full_lengths), [0, 0]
-    problems = []
-    for step, lengths in enumerate(steps):
-        chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
-        with torch.no_grad():
-            output = layer(chunk, Batch(lengths, past_lengths=past), state)
-        for index, part in enumerate(output.split(lengths)):
-            rows = expected[index][past[index] : past[index] + lengths[index]]
-            what = f"decoding step {step} ({lengths[index]} tokens after {past[index]}) of sequence {index}"
-            if problem := _mismatch(part, rows, tolerance, what):
-                problems.append(f"{problem} from the full forward")
-        past = [p + n for p, n in zip(past, lengths)]
-    return problems
 
 
 @dataclasses.dataclass
@@ -945,135 +834,3 @@ def _unique(values: list[Any]) -> list[Any]:
 
 def _show(change: Mapping[str, Any]) -> str:
     return yaml.safe_dump(dict(change), default_flow_style=True, width=1000).strip()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Tensor parallel: each gloo rank runs the layer split, and the single-process reference itself
-
-
-@dataclasses.dataclass(frozen=True)
-class _ParallelJob:
-    implementation: Any
-    config: Config
-    kind: str
-    hidden_size: int
-    lengths: tuple[int, ...]
-    tolerance: dict[str, float]
-    seed: int
-    tensor_parallel: int
-    sequence_tensor_parallel: bool
-    generation: bool
-
-
-_TENSOR_PARALLEL_FIX = (
-    "A layer that declares tensor_parallel must give the single-process outputs and gradients with its weights split "
-    "between ranks: input projections column-parallel (an output dim with parallel=True), the output projection "
-    "row-parallel (an input dim with parallel=True), every per-channel or per-head computation on this rank's "
-    "channels or heads. What needs every channel (a norm over the whole inner dim) cannot be split: refuse it in "
-    "check_tensor_parallel(n), or do not declare tensor_parallel."
-)
-_SEQUENCE_PARALLEL_FIX = (
-    "Under sequence_tensor_parallel the layer receives and returns this rank's slice of the tokens: the column-"
-    "parallel Linear gathers them and the row-parallel one scatters them back; anything computed on the input or "
-    "output outside those Linears sees only this rank's tokens. Do not declare sequence_tensor_parallel if the "
-    "layer cannot work so."
-)
-_SHARD_FIX = (
-    "Each parameter's dims say how it is split (a parallel=True dim): the ranks' shards must assemble to the "
-    "single-process tensor, which is what checkpoints hold."
-)
-_GRADIENT_FIX = (
-    "A replicated parameter whose gradient on a rank covers only that rank's tokens or heads must say so: "
-    "create_parameter(..., token_sharded_input=True or partial_gradient=True), so its gradient is summed over "
-    "the ranks."
-)
-_FLOPS_FIX = "flops(batch) counts the work of all ranks together: it must not depend on the parallel layout."
-
-
-def _check_parallel(job: _ParallelJob) -> None:
-    """On every rank: the layer split between `job.tensor_parallel` ranks against the single-process layer."""
-    size = job.tensor_parallel
-
-    def layout(**parallel: Any) -> Distributed:
-        # The first one starts the process group; the later one lays out the same ranks differently.
-        return Distributed(
-            DistributedConfig(seed=job.seed, backend="gloo", timeout=60, tensor_parallel=size, **parallel)
-        )
-
-    problems: list[tuple[str, ...]] = []  # (problem, what to fix, ...)
-    with layout() as distributed:
-        layouts = {f"tensor_parallel={size}": distributed}
-        if job.sequence_tensor_parallel:
-            layouts[f"tensor_parallel={size} with sequence_tensor_parallel"] = layout(sequence_tensor_parallel=True)
-        reference = _build(job.implementation, job.config, job.kind, job.hidden_size, _single_process(job.seed))
-        for label, parallel in layouts.items():
-            problems += _parallel_problems(job, parallel, reference, label)
-        if job.generation:
-            layer = _build(job.implementation, job.config, job.kind, job.hidden_size, distributed)
-            found = _decoding_problems(
-                layer, lambda tokens: _inputs(tokens, job.hidden_size), reference, job.tolerance, job.kind
-            )
-            problems += [(f"tensor_parallel={size}: {problem}", _DECODING_FIX) for problem in found]
-    if problems:
-        lines = dict.fromkeys(problem for problem, *_ in problems)
-        fixes = dict.fromkeys(fix for _, *found_fixes in problems for fix in found_fixes)
-        raise ConformanceError("\n".join([*lines, "What to fix:", *fixes]))
-
-
-def _parallel_problems(
-    job: _ParallelJob, distributed: Distributed, reference: Layer, label: str
-) -> list[tuple[str, ...]]:
-    """(problem, what to fix, ...) tuples. Every rank takes the same path whatever it finds: the gathers are
-    collectives."""
-    fix = _SEQUENCE_PARALLEL_FIX if distributed.sequence_tensor_parallel else _TENSOR_PARALLEL_FIX
-    try:
-        layer = _build(job.implementation, job.config, job.kind, job.hidden_size, distributed)
-    except Exception as error:  # noqa: BLE001
-        return [(f"{label}: building the layer failed: {type(error).__name__}: {error}", fix)]
-    group, rank = distributed.tensor_group, distributed.tensor_rank
-
-    def own(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.chunk(distributed.tensor_size)[rank] if distributed.sequence_tensor_parallel else tensor
-
-    hidden, weights = _inputs(sum(job.lengths), job.hidden_size)
-    expected = _run(reference, hidden, Batch(job.lengths), weights)
-    try:
-        found = _run(layer, own(hidden), Batch(job.lengths), own(weights))
-    except Exception as error:  # noqa: BLE001
-        return [(f"{label}: the forward or backward pass failed: {type(error).__name__}: {error}", fix)]
-    distributed.reduce_replicated_gradients(layer.parameters())
-    problems = []
-    for what, actual, wanted in (
-        ("the output", found.output, own(expected.output)),
-        ("the input gradient", found.input_grad, own(expected.input_grad)),
-    ):
-        if problem := _mismatch(actual, wanted, job.tolerance, f"{label}: {what} on rank {rank}"):
-            problems.append((f"{problem} from one process", fix))
-    reference_parameters = dict(reference.named_parameters())
-    for name, parameter in layer.named_parameters():
-        meta = getattr(parameter, "meta", None)
-        if meta is None or name not in reference_parameters:
-            problems.append((f"{label}: parameter {name!r} was not made by create_parameter / Linear", _SHARD_FIX))
-            continue
-        gradient = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-        full_value, full_gradient = (
-            meta.local_to_global(parameter.detach(), group),
-            meta.local_to_global(gradient, group),
-        )
-        wanted = reference_parameters[name]
-        if full_value.shape != wanted.shape or not torch.equal(full_value, wanted.detach()):
-            problems.append(
-                (f"{label}: the ranks' shards of {name!r} differ from the single-process weight", _SHARD_FIX)
-            )
-        elif name in expected.grads and (
-            problem := _mismatch(
-                full_gradient, expected.grads[name], job.tolerance, f"{label}: the gradient of {name!r}"
-            )
-        ):
-            problems.append((f"{problem} from one process", fix, _GRADIENT_FIX))
-    parallel_flops, single_flops = layer.flops(Batch(job.lengths)), reference.flops(Batch(job.lengths))
-    if parallel_flops != single_flops:
-        problems.append(
-            (f"{label}: flops(batch) is {parallel_flops} on rank {rank}, {single_flops} on one process", _FLOPS_FIX)
-        )
-    return problems

@@ -1,0 +1,230 @@
+"""Build a layer, make its inputs, run it and compare it: the conformance kit's pieces, public for plugins' own tests.
+
+A plugin's tests check its layer against an oracle of their own (a float64 loop, transformers); what they share with
+every other plugin is here: `single_process(seed)` and `build_layer(config, hidden_size, distributed)` make the
+layer, `layer_inputs(tokens)` the packed hidden states and loss weights, `run_layer` its output and gradients;
+`check_matches_layer` compares a layer with the same layer elsewhere (CUDA against the CPU path, bf16 against fp32),
+`check_decoding` its generation against the full forward. The checks raise `ConformanceError` listing every problem.
+
+A tolerance is a mapping: `{"atol": a, "rtol": r}` compares element by element as `torch.allclose` does;
+`{"relative": r}` compares the whole tensor, ‖actual − expected‖ / ‖expected‖ < r (for bf16 and GPU kernels, whose
+errors are relative and add up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from blockzoo.config import Config
+from blockzoo.distributed.config import DistributedConfig
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import Batch, Layer, Mixer
+from blockzoo.layers.dims import TensorDim
+from blockzoo.plugins import get_registry
+
+DEFAULT_SEED = 1234
+DEFAULT_HIDDEN_SIZE = 16
+# Two sequences decoded from a prefill of different lengths, then a chunk of several tokens, then one at a time.
+DECODING_LENGTHS = (6, 4)
+DECODING_STEPS = ((3, 2), (2, 1), (1, 1))
+_DECODING_FIX = (
+    "new_state(...) must hold all that forward needs from earlier tokens (KV cache, convolution window, recurrent "
+    "state), and forward(hidden, batch, state) with batch.past_lengths set must read it and append the batch's tokens "
+    "(document i of the batch is sequence i of the state)."
+)
+
+
+class ConformanceError(AssertionError):
+    """A plugin does not meet the layer contract; the message says what to change."""
+
+
+def single_process(seed: int = DEFAULT_SEED, **options: Any) -> Distributed:
+    """One process, the reference the parallel layouts match: gloo on the CPU unless `options` (fields of
+    DistributedConfig) say otherwise, e.g. `backend="nccl"` for the GPU, `compute_dtype="bf16"`."""
+    config = DistributedConfig(seed=seed, **{"backend": "gloo", **options})
+    return Distributed(config, world_size=1, rank=0, local_rank=0)
+
+
+def build_layer(
+    config: Config, hidden_size: int = DEFAULT_HIDDEN_SIZE, distributed: Distributed | None = None
+) -> Layer:
+    """The layer of a mixer or MLP config, built by the implementation its type registers, named after its kind
+    ("mixer", "mlp"), on `distributed` (default: `single_process()`)."""
+    implementation = get_registry(strict=False).implementation_of(config)
+    return _build(implementation, config, hidden_size, distributed or single_process())
+
+
+def layer_inputs(
+    tokens: int, hidden_size: int = DEFAULT_HIDDEN_SIZE, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [tokens, hidden_size] and the weights of the loss sum(output · weights), standard normal."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hidden_size, generator=generator), torch.randn(tokens, hidden_size, generator=generator)
+
+
+class LayerRun(NamedTuple):
+    output: torch.Tensor
+    input_grad: torch.Tensor
+    grads: dict[str, torch.Tensor]  # Of each trainable parameter, by name; zeros where none reached it.
+
+
+def run_layer(layer: Layer, hidden: torch.Tensor, batch: Batch, loss_weights: torch.Tensor) -> LayerRun:
+    """The output, the input gradient and the parameter gradients of the loss sum(output · loss_weights)."""
+    layer.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().requires_grad_()
+    output = layer(hidden, batch)
+    (output * loss_weights).sum().backward()
+    grads = {
+        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.clone()
+        for name, parameter in layer.named_parameters()
+        if parameter.requires_grad
+    }
+    input_grad = torch.zeros_like(hidden) if hidden.grad is None else hidden.grad
+    return LayerRun(output.detach(), input_grad, grads)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖value − reference‖ / ‖reference‖, in fp32 on the CPU (the two may be on different devices)."""
+    reference = reference.detach().float().cpu()
+    return float((value.detach().float().cpu() - reference).norm() / reference.norm())
+
+
+def check_matches_layer(
+    layer: Layer,
+    reference: Layer,
+    *,
+    lengths: Sequence[int],
+    output_tolerance: Mapping[str, float],
+    gradient_tolerance: Mapping[str, float] | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> None:
+    """`layer` (on its device, fed `dtype` hidden states) gives the outputs, input gradient and parameter gradients of
+    `reference` (on its device, in fp32) for the same documents `lengths`: e.g. the layer on CUDA against the same
+    config on the CPU path. The output must be `dtype` and everything finite. `gradient_tolerance` defaults to
+    `output_tolerance`."""
+    gradient_tolerance = output_tolerance if gradient_tolerance is None else gradient_tolerance
+    hidden, weights = layer_inputs(sum(lengths), reference.hidden_dim.global_size, seed)
+    expected = _run_on(reference, hidden, weights, lengths)
+    found = _run_on(layer, hidden.to(dtype), weights, lengths)
+    problems = []
+    if found.output.dtype != dtype:
+        problems.append(f"the output is {found.output.dtype}, expected {dtype} (the dtype of the input)")
+    compared = [("the output", found.output, expected.output, output_tolerance)]
+    compared.append(("the input gradient", found.input_grad, expected.input_grad, gradient_tolerance))
+    if found.grads.keys() != expected.grads.keys():
+        problems.append(f"the trainable parameters are {sorted(found.grads)}, expected {sorted(expected.grads)}")
+    compared += [
+        (f"the gradient of {name!r}", found.grads[name], expected.grads[name], gradient_tolerance)
+        for name in found.grads.keys() & expected.grads.keys()
+    ]
+    for what, actual, wanted, tolerance in compared:
+        if not bool(torch.isfinite(actual).all()):
+            problems.append(f"{what} is not finite")
+        elif problem := _mismatch(actual, wanted, tolerance, what):
+            problems.append(problem)
+    if problems:
+        raise ConformanceError("\n".join(problems))
+
+
+def check_decoding(
+    layer: Layer,
+    *,
+    tolerance: Mapping[str, float],
+    lengths: Sequence[int] = DECODING_LENGTHS,
+    steps: Sequence[Sequence[int]] = DECODING_STEPS,
+    reference: Layer | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> None:
+    """Generating with `layer` equals the full forward of `reference` (default: `layer` itself): sequences of `lengths`
+    tokens, fed in `steps` (step i gives sequence j `steps[i][j]` tokens; the first step is the prefill) to a state
+    from `new_state`, in `dtype`."""
+    reference = layer if reference is None else reference
+    problems = _decoding_problems(layer, reference, tolerance, lengths, steps, dtype, seed)
+    if problems:
+        raise ConformanceError("\n".join([*problems, _DECODING_FIX]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared with the rest of the kit
+
+
+def _decoding_problems(
+    layer: Layer,
+    reference: Layer,
+    tolerance: Mapping[str, float],
+    lengths: Sequence[int],
+    steps: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    seed: int,
+) -> list[str]:
+    """What `check_decoding` finds: for each sequence that differs, the first step that does (else the whole)."""
+    if [sum(step[index] for step in steps) for index in range(len(lengths))] != list(lengths):
+        raise ValueError(f"the decoding steps {steps} do not add up to the sequences' lengths {list(lengths)}")
+    hidden = layer_inputs(sum(lengths), layer.hidden_dim.global_size, seed)[0].to(dtype)
+    reference_device, device = reference.distributed.device, layer.distributed.device
+    with torch.no_grad():
+        expected = reference(hidden.to(reference_device), Batch(lengths, device=reference_device)).split(lengths)
+    state = layer.new_state(len(lengths), max(lengths), device, dtype) if isinstance(layer, Mixer) else None
+    sequences, past = hidden.to(device).split(lengths), [0] * len(lengths)
+    decoded: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in lengths]  # Per sequence: (step, start, output).
+    for number, step in enumerate(steps):
+        chunk = torch.cat([sequence[start : start + count] for sequence, start, count in zip(sequences, past, step)])
+        with torch.no_grad():
+            output = layer(chunk, Batch(step, past_lengths=past, device=device), state)
+        for index, part in enumerate(output.split(list(step))):
+            decoded[index].append((number, past[index], part))
+        past = [start + count for start, count in zip(past, step)]
+    problems = []
+    for index, (parts, wanted) in enumerate(zip(decoded, expected)):
+        whole = _mismatch(torch.cat([part for *_, part in parts]), wanted, tolerance, f"decoded sequence {index}")
+        if whole is None:
+            continue
+        in_steps = (
+            _mismatch(
+                part,
+                wanted[start : start + len(part)],
+                tolerance,
+                f"decoding step {number} ({len(part)} tokens after {start}) of sequence {index}",
+            )
+            for number, start, part in parts
+        )
+        problems.append(f"{next(filter(None, in_steps), whole)} from the full forward")
+    return problems
+
+
+def _mismatch(actual: torch.Tensor, expected: torch.Tensor, tolerance: Mapping[str, float], what: str) -> str | None:
+    """None when `actual` equals `expected` within `tolerance` (see the module), else what differs and by how much."""
+    if actual.shape != expected.shape:
+        return f"{what} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if "relative" in tolerance:
+        error = relative_error(actual, expected)
+        if error < tolerance["relative"]:
+            return None
+        return f"{what} differs (relative error {error:.3g}, beyond {tolerance['relative']:g})"
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    if torch.allclose(actual, expected, **tolerance):
+        return None
+    difference = (actual - expected).abs().nan_to_num(float("inf"))
+    return (
+        f"{what} differs (max abs difference {difference.max().item():.3g} at "
+        f"{[int(i) for i in torch.unravel_index(difference.argmax(), difference.shape)]}, beyond "
+        f"{', '.join(f'{key}={value:g}' for key, value in tolerance.items())})"
+    )
+
+
+def _build(implementation: Any, config: Config, hidden_size: int, distributed: Distributed) -> Layer:
+    """The layer of `config` built by `implementation`, a class the caller loaded (a gloo rank's registry does not hold
+    a plugin its parent registered in-process)."""
+    return implementation(
+        config, name=config.kind, hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1.0
+    )
+
+
+def _run_on(layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int]) -> LayerRun:
+    device = layer.distributed.device
+    return run_layer(layer, hidden.to(device), Batch(lengths, device=device), weights.to(device))
