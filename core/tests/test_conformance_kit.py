@@ -51,7 +51,9 @@ from blockzoo.testing import (
     build_layer,
     check_decoding,
     check_matches_layer,
+    check_packed_documents,
     check_tensor_parallel,
+    layer_signature,
     single_process,
 )
 
@@ -332,7 +334,7 @@ BROKEN = [
     (
         "leaky",
         "test_packed_documents_equal_separate_runs",
-        r"the output of document 1 \(tokens 5:6 of the packed batch \[5, 1, 6\]\) differs .*Information crosses a "
+        r"(?s)the output of document 1 \(tokens 5:6 of the packed batch \[5, 1, 6\]\) differs .*Information crosses a "
         r"document boundary: every token may see only tokens of its own document\. Restart convolutions",
     ),
     (
@@ -483,6 +485,34 @@ def test_check_matches_layer_compares_outputs_and_gradients(kittest):
     assert {line.split(" differs")[0] for line in lines[2:]} == {
         f"the gradient of {name!r}" for name in ("input.weight", "output.weight", "mix")
     }
+
+
+def test_check_packed_documents_catches_state_leaking_across_documents(kittest):
+    check_packed_documents(build_layer(PreviousTokenConfig(channels=8)), lengths=[5, 1, 6], tolerance={"atol": 1e-6})
+    leaky = build_layer(LeakyConfig(channels=8))  # Each document's first token sees the last token of the one before.
+    with pytest.raises(ConformanceError) as raised:
+        check_packed_documents(leaky, lengths=[5, 1, 6], tolerance={"atol": 1e-5, "rtol": 1e-5})
+    lines = str(raised.value).splitlines()
+    # Document 0 has nothing before it; documents 1 and 2 differ in their output and (through the leak) the gradient
+    # of the document before them; the parameters' gradients mix all three.
+    assert [line.split(" differs")[0] for line in lines[:4]] == [
+        "the output of document 1 (tokens 5:6 of the packed batch [5, 1, 6])",
+        "the output of document 2 (tokens 6:12 of the packed batch [5, 1, 6])",
+        "the input gradient of document 0 (tokens 0:5 of the packed batch [5, 1, 6])",
+        "the input gradient of document 1 (tokens 5:6 of the packed batch [5, 1, 6])",
+    ]
+    assert {line.split(", packed vs")[0] for line in lines[4:-1]} == {
+        f"the gradient of {name!r}" for name in ("input.weight", "output.weight", "mix")
+    }
+    assert lines[-1].startswith("Information crosses a document boundary")
+
+
+def test_layer_signature_tells_whether_a_layer_changed(kittest):
+    base = layer_signature(build_layer(PreviousTokenConfig(channels=8)), [5, 1, 6])
+    assert not layer_signature(build_layer(PreviousTokenConfig(channels=8)), [5, 1, 6]).differs_from(base)
+    # The same parameters, another output; and other parameters.
+    assert layer_signature(build_layer(LeakyConfig(channels=8)), [5, 1, 6]).differs_from(base)
+    assert layer_signature(build_layer(PreviousTokenConfig(channels=4)), [5, 1, 6]).differs_from(base)
 
 
 def test_check_decoding_names_the_first_step_that_differs(kittest):

@@ -12,7 +12,7 @@ from dm2_reference import RANDOM, RANDOM_BIAS, SMALL, build, reference_forward
 import blockzoo
 import blockzoo_discrete_mamba_2.mixer as mixer_module
 from blockzoo.layers.base import Batch
-from blockzoo.testing import layer_inputs, run_layer
+from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
 
 LENGTHS = [7, 1, 10]  # Not multiples of the chunk size (4); one document shorter than the convolution.
@@ -78,44 +78,17 @@ def test_matches_transformers_mamba2_chunk_scan(case):
 @pytest.mark.parametrize("case", CASES)
 def test_packed_documents_equal_separate_runs(case):
     layer = build(CASES[case])
-    hidden, loss_weights = layer_inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
-    outputs, input_grads, grads = [], [], []
-    for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
-        outputs.append(output)
-        input_grads.append(input_grad)
-        grads.append(document_grads)
-    torch.testing.assert_close(packed, torch.cat(outputs), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(packed_input_grad, torch.cat(input_grads), atol=1e-5, rtol=1e-5)
-    assert packed_grads.keys() == {name for name, _ in layer.named_parameters()}
-    for name, gradient in packed_grads.items():
-        torch.testing.assert_close(gradient, sum(g[name] for g in grads), atol=1e-5, rtol=1e-5, msg=name)
+    assert all(parameter.requires_grad for parameter in layer.parameters())
+    check_packed_documents(layer, lengths=LENGTHS, tolerance={"atol": 1e-5, "rtol": 1e-5})
 
 
 @pytest.mark.parametrize("case", ["grouped-identity", "one-group-silu-kernel-2", "z-bias-no-conv-bias-mha"])
 def test_decoding_equals_the_full_forward(case):
     layer = build(CASES[case])
-    full_lengths = [9, 6]
-    hidden, _ = layer_inputs(sum(full_lengths))
-    with torch.no_grad():
-        expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
-    sequences = hidden.split(full_lengths)
+    assert layer.new_state(2, 10, torch.device("cpu"), torch.float32).ssm.dtype == torch.float32
     # Prefill prompts of different lengths (one shorter than the convolution), a chunk, then one token at a time.
     steps = [[5, 1], [2, 3], [1, 1], [1, 1]]
-    assert [sum(step) for step in zip(*steps)] == full_lengths
-    state = layer.new_state(2, 10, torch.device("cpu"), torch.float32)
-    assert state.ssm.dtype == torch.float32
-    past, outputs = [0, 0], [[], []]
-    with torch.no_grad():
-        for lengths in steps:
-            chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
-            output = layer(chunk, Batch(lengths, past_lengths=past), state)
-            for index, part in enumerate(output.split(lengths)):
-                outputs[index].append(part)
-            past = [p + n for p, n in zip(past, lengths)]
-    for index in range(2):
-        torch.testing.assert_close(torch.cat(outputs[index]), expected[index], atol=1e-5, rtol=1e-5)
+    check_decoding(layer, tolerance={"atol": 1e-5, "rtol": 1e-5}, lengths=[9, 6], steps=steps)
 
 
 def test_generation_state_errors():
@@ -217,28 +190,9 @@ CONVOLUTION_FIELD_CHANGES = {
 }
 
 
-def _parameters(layer) -> dict:
-    return {name: (p.detach(), p.meta.settings, p.requires_grad) for name, p in layer.named_parameters()}
-
-
-def _differ(first: dict, second: dict) -> bool:
-    if first.keys() != second.keys():
-        return True
-    for (value, settings, grad), (other, other_settings, other_grad) in zip(first.values(), second.values()):
-        if value.shape != other.shape or not torch.equal(value, other):
-            return True
-        if settings != other_settings or grad != other_grad:
-            return True
-    return False
-
-
 def _changes_something(base_config: dict, change: dict) -> bool:
-    base, layer = build(base_config), build({**base_config, **change})
-    if _differ(_parameters(base), _parameters(layer)):
-        return True
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        return not torch.allclose(base(hidden, Batch(LENGTHS)), layer(hidden, Batch(LENGTHS)))
+    signature = layer_signature(build({**base_config, **change}), LENGTHS)
+    return signature.differs_from(layer_signature(build(base_config), LENGTHS))
 
 
 def test_every_field_changes_parameters_or_outputs():

@@ -8,9 +8,8 @@ import torch
 from mamba_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
-from blockzoo.testing import layer_inputs, run_layer
+from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_mamba.config import ConvolutionConfig, MambaConfig
-from blockzoo_mamba.mamba import Mamba
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.
@@ -76,19 +75,12 @@ def test_matches_a_step_by_step_reference(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_packed_documents_equal_separate_runs(case):
-    layer = build(CASES[case])
-    hidden, loss_weights = layer_inputs(sum(LENGTHS))
-    packed, packed_input_grad, packed_grads = run_layer(layer, hidden, Batch(LENGTHS), loss_weights)
-    outputs, input_grads, grads = [], [], []
-    for document, weights in zip(hidden.split(LENGTHS), loss_weights.split(LENGTHS)):
-        output, input_grad, document_grads = run_layer(layer, document, Batch([len(document)]), weights)
-        outputs.append(output)
-        input_grads.append(input_grad)
-        grads.append(document_grads)
-    torch.testing.assert_close(packed, torch.cat(outputs), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(packed_input_grad, torch.cat(input_grads), atol=1e-6, rtol=1e-5)
-    for name, gradient in packed_grads.items():
-        torch.testing.assert_close(gradient, sum(g[name] for g in grads), atol=1e-5, rtol=1e-5, msg=name)
+    check_packed_documents(
+        build(CASES[case]),
+        lengths=LENGTHS,
+        tolerance={"atol": 1e-6, "rtol": 1e-5},
+        parameter_gradient_tolerance={"atol": 1e-5, "rtol": 1e-5},
+    )
 
 
 def test_parameter_shapes_of_both_layouts():
@@ -143,27 +135,9 @@ def test_default_initializations():
 
 @pytest.mark.parametrize("case", ["standard-biases-norms", "grouped-repeat-before", "grouped-repeat-after-no-biases"])
 def test_generation_equals_the_full_forward(case):
-    layer = build(CASES[case])
-    full_lengths = [8, 6]
-    hidden, _ = layer_inputs(sum(full_lengths))
-    with torch.no_grad():
-        expected = layer(hidden, Batch(full_lengths)).split(full_lengths)
-    sequences = hidden.split(full_lengths)
     # Prefill prompts of different lengths, a chunk of several tokens, then one token at a time.
     steps = [[3, 1], [2, 2], [1, 1], [1, 1], [1, 1]]
-    assert [sum(step) for step in zip(*steps)] == full_lengths
-    state = layer.new_state(2, 10, torch.device("cpu"), torch.float32)
-    past = [0, 0]
-    outputs = [[], []]
-    with torch.no_grad():
-        for lengths in steps:
-            chunk = torch.cat([sequence[p : p + n] for sequence, p, n in zip(sequences, past, lengths)])
-            output = layer(chunk, Batch(lengths, past_lengths=past), state)
-            for index, part in enumerate(output.split(lengths)):
-                outputs[index].append(part)
-            past = [p + n for p, n in zip(past, lengths)]
-    for index in range(2):
-        torch.testing.assert_close(torch.cat(outputs[index]), expected[index], atol=1e-6, rtol=1e-5)
+    check_decoding(build(CASES[case]), tolerance={"atol": 1e-6, "rtol": 1e-5}, lengths=[8, 6], steps=steps)
 
 
 def test_generation_state_shapes_and_errors():
@@ -240,29 +214,10 @@ CONVOLUTION_CHANGES = {
 }
 
 
-def _parameters(layer: Mamba) -> dict:
-    return {name: (p.detach(), p.meta.settings, p.requires_grad) for name, p in layer.named_parameters()}
-
-
-def _differ(first: dict, second: dict) -> bool:
-    if first.keys() != second.keys():
-        return True
-    for (value, settings, grad), (other, other_settings, other_grad) in zip(first.values(), second.values()):
-        if value.shape != other.shape or not torch.equal(value, other):
-            return True
-        if settings != other_settings or grad != other_grad:
-            return True
-    return False
-
-
 def _changes_something(base_config: dict, change: dict) -> bool:
-    base, layer = build(base_config), build({**base_config, **change})
+    layer = build({**base_config, **change})
     assert layer.config.explicit_fields() >= set(change)
-    if _differ(_parameters(base), _parameters(layer)):
-        return True
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        return not torch.allclose(layer(hidden, Batch(LENGTHS)), base(hidden, Batch(LENGTHS)))
+    return layer_signature(layer, LENGTHS).differs_from(layer_signature(build(base_config), LENGTHS))
 
 
 def test_every_field_changes_parameters_or_outputs():

@@ -5,8 +5,10 @@
   pytest runs the inherited checks.
 - What a plugin's own tests share with every other plugin's (`blockzoo.testing.layers`): `single_process(seed)`,
   `build_layer(config, hidden_size, distributed)`, `layer_inputs(tokens, hidden_size)`, `run_layer(...)` ->
-  `LayerRun`, `relative_error`, and the checks `check_matches_layer` (the same layer elsewhere: CUDA, bf16) and
-  `check_decoding` (generation against the full forward).
+  `LayerRun`, `relative_error`, `layer_signature(layer, lengths)` -> `LayerSignature` (`.differs_from(other)`: did
+  a config field change the layer?), and the checks `check_packed_documents` (packed documents against each run
+  alone), `check_matches_layer` (the same layer elsewhere: CUDA, bf16) and `check_decoding` (generation against the
+  full forward).
 - `check_tensor_parallel(config_class, cases, ...)` (`blockzoo.testing.parallel`): cases split between gloo ranks
   against one process, all in one set of processes.
 - `run_distributed(world_size, fn, *args)` (`blockzoo.testing.distributed`): gloo ranks on the CPU.
@@ -29,10 +31,13 @@ _LAZY = {
     "free_port": "blockzoo.testing.distributed",
     "run_distributed": "blockzoo.testing.distributed",
     "LayerRun": "blockzoo.testing.layers",
+    "LayerSignature": "blockzoo.testing.layers",
     "build_layer": "blockzoo.testing.layers",
     "check_decoding": "blockzoo.testing.layers",
     "check_matches_layer": "blockzoo.testing.layers",
+    "check_packed_documents": "blockzoo.testing.layers",
     "layer_inputs": "blockzoo.testing.layers",
+    "layer_signature": "blockzoo.testing.layers",
     "relative_error": "blockzoo.testing.layers",
     "run_layer": "blockzoo.testing.layers",
     "single_process": "blockzoo.testing.layers",

@@ -29,7 +29,6 @@ it, compare it) and `blockzoo.testing.parallel` (`check_tensor_parallel` on many
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import math
 import os
@@ -67,11 +66,13 @@ from blockzoo.layers.parameter import materialize
 from blockzoo.plugins import ENTRY_POINT_GROUP, TypeEntry, get_registry
 from blockzoo.testing.layers import (
     ConformanceError,
+    LayerSignature,
     _build,
     _mismatch,
     check_decoding,
+    check_packed_documents,
     layer_inputs,
-    run_layer,
+    layer_signature,
     single_process,
 )
 from blockzoo.testing.parallel import check_tensor_parallel
@@ -301,32 +302,7 @@ class LayerConformance:
             )
 
     def test_packed_documents_equal_separate_runs(self) -> None:
-        layer = self._build(self._config())
-        hidden, weights = self._inputs(sum(self.lengths))
-        packed = run_layer(layer, hidden, Batch(self.lengths), weights)
-        alone = [
-            run_layer(layer, document, Batch([len(document)]), document_weights)
-            for document, document_weights in zip(hidden.split(self.lengths), weights.split(self.lengths))
-        ]
-        fix = (
-            "Information crosses a document boundary: every token may see only tokens of its own document. Restart "
-            "convolutions, recurrences and attention at each document (batch.cu_seqlens, batch.document_index, "
-            "batch.positions); keep no state between calls"
-        )
-        starts = [sum(self.lengths[:index]) for index in range(len(self.lengths))]
-        for what in ("output", "input_grad"):
-            for index, (start, length, run) in enumerate(zip(starts, self.lengths, alone)):
-                where = f"document {index} (tokens {start}:{start + length} of the packed batch {list(self.lengths)})"
-                self._assert_close(
-                    getattr(packed, what)[start : start + length],
-                    getattr(run, what),
-                    f"the {what.replace('_grad', ' gradient')} of {where}",
-                    fix,
-                )
-        for name, gradient in packed.grads.items():
-            self._assert_close(
-                gradient, sum(run.grads[name] for run in alone), f"the gradient of {name!r}, packed vs summed", fix
-            )
+        check_packed_documents(self._build(self._config()), lengths=self.lengths, tolerance=self.tolerance)
 
     def test_gradients_reach_every_parameter(self) -> None:
         layer = self._build(self._config())
@@ -355,7 +331,7 @@ class LayerConformance:
         if empty:
             _fail(f"field_exceptions needs a reason for {', '.join(empty)}")
         base = self._signature(self._config())
-        if _difference(base, self._signature(self._config())):
+        if self._signature(self._config()).differs_from(base, self.tolerance):
             _fail(
                 "two builds of the same config differ: initialize only through create_parameter (seeded by the run's "
                 "seed and the parameter's name) and draw randomness in forward only from torch's seeded generators"
@@ -388,7 +364,7 @@ class LayerConformance:
                 "other fields goes in `field_changes = {name: {...}}`."
             )
 
-    def _first_change_that_shows(self, changes: list[Mapping[str, Any]], base: _Signature) -> str | None:
+    def _first_change_that_shows(self, changes: list[Mapping[str, Any]], base: LayerSignature) -> str | None:
         """None when one of `changes` changes the layer, else what was tried."""
         tried = []
         for change in changes:
@@ -402,7 +378,7 @@ class LayerConformance:
             except Exception as error:  # noqa: BLE001 - a change this process cannot run shows nothing here
                 tried.append(f"{_show(change)} does not run here ({type(error).__name__}: {error})")
                 continue
-            if _difference(base, signature):
+            if signature.differs_from(base, self.tolerance):
                 return None
             tried.append(f"{_show(change)} changed nothing")
         shown = 3
@@ -537,19 +513,8 @@ class LayerConformance:
         if problem:
             _fail(f"{problem}. {fix}".rstrip(". ") + ".")
 
-    def _signature(self, config: Config) -> _Signature:
-        layer = self._build(config)
-        hidden, _ = self._inputs(sum(self.lengths))
-        batch = Batch(self.lengths)
-        torch.manual_seed(self.seed)
-        with torch.no_grad():
-            output = layer(hidden, batch)
-        parameters = {
-            name: (parameter.detach().clone(), getattr(parameter, "meta", None), parameter.requires_grad)
-            for name, parameter in layer.named_parameters()
-        }
-        losses = {name: value.detach() for name, value in batch.losses.items()}
-        return _Signature(parameters, output, losses, dict(self.tolerance))
+    def _signature(self, config: Config) -> LayerSignature:
+        return layer_signature(self._build(config), self.lengths, random_seed=self.seed)
 
 
 class MixerConformance(LayerConformance):
@@ -741,33 +706,6 @@ def _same_architecture(first: Any, second: Any) -> bool:
             if attribute.name not in TRAINING_FIELDS
         )
     return first == second
-
-
-@dataclasses.dataclass
-class _Signature:
-    """Everything a config field may change: the parameters (values, settings) and the outputs (and added losses)."""
-
-    parameters: dict[str, tuple[torch.Tensor, Any, bool]]
-    output: torch.Tensor
-    losses: dict[str, torch.Tensor]
-    tolerance: dict[str, float]
-
-
-def _difference(first: _Signature, second: _Signature) -> bool:
-    if first.parameters.keys() != second.parameters.keys() or first.losses.keys() != second.losses.keys():
-        return True
-    for (value, meta, trained), (other, other_meta, other_trained) in zip(
-        first.parameters.values(), second.parameters.values()
-    ):
-        if value.shape != other.shape or not torch.equal(value, other) or trained != other_trained:
-            return True
-        if getattr(meta, "settings", None) != getattr(other_meta, "settings", None):
-            return True
-    if first.output.shape != second.output.shape:
-        return True
-    if not torch.allclose(first.output.double(), second.output.double(), **first.tolerance):
-        return True
-    return any(not torch.allclose(first.losses[name], second.losses[name], **first.tolerance) for name in first.losses)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 A plugin's tests check its layer against an oracle of their own (a float64 loop, transformers); what they share with
 every other plugin is here: `single_process(seed)` and `build_layer(config, hidden_size, distributed)` make the
 layer, `layer_inputs(tokens)` the packed hidden states and loss weights, `run_layer` its output and gradients;
-`check_matches_layer` compares a layer with the same layer elsewhere (CUDA against the CPU path, bf16 against fp32),
-`check_decoding` its generation against the full forward. The checks raise `ConformanceError` listing every problem.
+`check_packed_documents` compares packed documents with each document run alone, `check_matches_layer` a layer with
+the same layer elsewhere (CUDA against the CPU path, bf16 against fp32), `check_decoding` its generation against the
+full forward; `layer_signature` records what a config field may change, for tests that every field changes something.
+The checks raise `ConformanceError` listing every problem.
 
 A tolerance is a mapping: `{"atol": a, "rtol": r}` compares element by element as `torch.allclose` does;
 `{"relative": r}` compares the whole tensor, ‖actual − expected‖ / ‖expected‖ < r (for bf16 and GPU kernels, whose
@@ -13,6 +15,7 @@ errors are relative and add up).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +30,7 @@ from blockzoo.plugins import get_registry
 
 DEFAULT_SEED = 1234
 DEFAULT_HIDDEN_SIZE = 16
+DEFAULT_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 # Two sequences decoded from a prefill of different lengths, then a chunk of several tokens, then one at a time.
 DECODING_LENGTHS = (6, 4)
 DECODING_STEPS = ((3, 2), (2, 1), (1, 1))
@@ -34,6 +38,13 @@ _DECODING_FIX = (
     "new_state(...) must hold all that forward needs from earlier tokens (KV cache, convolution window, recurrent "
     "state), and forward(hidden, batch, state) with batch.past_lengths set must read it and append the batch's tokens "
     "(document i of the batch is sequence i of the state)."
+)
+
+
+_PACKING_FIX = (
+    "Information crosses a document boundary: every token may see only tokens of its own document. Restart "
+    "convolutions, recurrences and attention at each document (batch.cu_seqlens, batch.document_index, "
+    "batch.positions); keep no state between calls."
 )
 
 
@@ -130,6 +141,49 @@ def check_matches_layer(
         raise ConformanceError("\n".join(problems))
 
 
+def check_packed_documents(
+    layer: Layer,
+    *,
+    lengths: Sequence[int],
+    tolerance: Mapping[str, float],
+    parameter_gradient_tolerance: Mapping[str, float] | None = None,
+    seed: int = 0,
+) -> None:
+    """Documents of `lengths` packed in one batch give each document's output and input gradient as the document run
+    alone, and each parameter gradient as the sum of the documents' own. `parameter_gradient_tolerance` (default:
+    `tolerance`) is for the parameter gradients, sums over the tokens of all documents taken in another order."""
+    parameter_gradient_tolerance = tolerance if parameter_gradient_tolerance is None else parameter_gradient_tolerance
+    hidden, weights = layer_inputs(sum(lengths), layer.hidden_dim.global_size, seed)
+    packed = _run_on(layer, hidden, weights, lengths)
+    alone = [
+        _run_on(layer, document, document_weights, [len(document)])
+        for document, document_weights in zip(hidden.split(list(lengths)), weights.split(list(lengths)))
+    ]
+    starts = [sum(lengths[:index]) for index in range(len(lengths))]
+    problems = [
+        _mismatch(
+            getattr(packed, what)[start : start + length],
+            getattr(run, what),
+            tolerance,
+            f"{label} of document {index} (tokens {start}:{start + length} of the packed batch {list(lengths)})",
+        )
+        for what, label in (("output", "the output"), ("input_grad", "the input gradient"))
+        for index, (start, length, run) in enumerate(zip(starts, lengths, alone))
+    ]
+    problems += [
+        _mismatch(
+            gradient,
+            sum(run.grads[name] for run in alone),
+            parameter_gradient_tolerance,
+            f"the gradient of {name!r}, packed vs summed over the documents alone",
+        )
+        for name, gradient in packed.grads.items()
+    ]
+    problems = [problem for problem in problems if problem is not None]
+    if problems:
+        raise ConformanceError("\n".join([*problems, _PACKING_FIX]))
+
+
 def check_decoding(
     layer: Layer,
     *,
@@ -147,6 +201,50 @@ def check_decoding(
     problems = _decoding_problems(layer, reference, tolerance, lengths, steps, dtype, seed)
     if problems:
         raise ConformanceError("\n".join([*problems, _DECODING_FIX]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSignature:
+    """All that a config field may change in a layer: its parameters (value, ParameterMeta, trainable, by name), and
+    its output and added losses on the inputs of `layer_inputs`."""
+
+    parameters: dict[str, tuple[torch.Tensor, Any, bool]]
+    output: torch.Tensor
+    losses: dict[str, torch.Tensor]
+
+    def differs_from(self, other: LayerSignature, tolerance: Mapping[str, float] = DEFAULT_TOLERANCE) -> bool:
+        """Whether the parameters differ (names, shapes, values, settings, trainable) or the output or a loss differs
+        beyond `tolerance` (element by element, as `torch.allclose`)."""
+        if self.parameters.keys() != other.parameters.keys() or self.losses.keys() != other.losses.keys():
+            return True
+        for (value, meta, trained), (other_value, other_meta, other_trained) in zip(
+            self.parameters.values(), other.parameters.values()
+        ):
+            if value.shape != other_value.shape or not torch.equal(value, other_value) or trained != other_trained:
+                return True
+            if getattr(meta, "settings", None) != getattr(other_meta, "settings", None):
+                return True
+        if self.output.shape != other.output.shape:
+            return True
+        if not torch.allclose(self.output.double(), other.output.double(), **tolerance):
+            return True
+        return any(not torch.allclose(self.losses[name], other.losses[name], **tolerance) for name in self.losses)
+
+
+def layer_signature(layer: Layer, lengths: Sequence[int], *, random_seed: int = DEFAULT_SEED) -> LayerSignature:
+    """The parameters of `layer` and its output and added losses on `layer_inputs` packed as documents of `lengths`
+    (torch's global generator seeded with `random_seed` first, for layers that draw randomness in forward)."""
+    hidden, _ = layer_inputs(sum(lengths), layer.hidden_dim.global_size)
+    batch = Batch(lengths, device=layer.distributed.device)
+    torch.manual_seed(random_seed)
+    with torch.no_grad():
+        output = layer(hidden.to(layer.distributed.device), batch)
+    parameters = {
+        name: (parameter.detach().clone(), getattr(parameter, "meta", None), parameter.requires_grad)
+        for name, parameter in layer.named_parameters()
+    }
+    losses = {name: value.detach() for name, value in batch.losses.items()}
+    return LayerSignature(parameters, output, losses)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
