@@ -151,11 +151,6 @@ def format_of(case: str) -> str:
     return CASES[case][0]
 
 
-def hf_config(case: str) -> transformers.PretrainedConfig:
-    _, class_name, config = CASES[case]
-    return getattr(transformers, class_name)(**config)
-
-
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights of about 0.15 (norm weights about 1): logits far from uniform, routers with clear choices."""
     generator = torch.Generator().manual_seed(seed)
@@ -165,10 +160,17 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             parameter.copy_(1 + noise if "norm" in name else noise)
 
 
-def hf_model(case: str, seed: int = 0) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager")
+def transformers_model(class_name: str, config: dict, seed: int = 0) -> transformers.PreTrainedModel:
+    """A randomized transformers model of this config class, with eager attention, in evaluation mode."""
+    hf_config = getattr(transformers, class_name)(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     randomize(model, seed)
     return model.eval()
+
+
+def hf_model(case: str, seed: int = 0) -> transformers.PreTrainedModel:
+    _, class_name, config = CASES[case]
+    return transformers_model(class_name, config, seed)
 
 
 def save_hf_model(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:

@@ -1,16 +1,11 @@
-"""Tiny transformers models of the Mamba 2 formats (mamba2, bamba, nemotron_h), built on the CPU with every field the
-converter maps away from its default (hf_cases.py's weights and tokens: 2 × 37 tokens, not a multiple of any chunk).
+"""Tiny transformers models of the Mamba 2 formats (mamba2, bamba, nemotron_h) with every field the converter maps
+away from its default, built on the CPU by hf_cases.py (its weights and tokens: 2 × 37, not a multiple of any chunk).
 
 The time-step limits bind (the random time steps spread around them), the models have several B/C groups (where
 the whole-inner and the per-group norms differ), and Bamba's attention heads rotate a quarter of their channels.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import transformers
-from hf_cases import randomize
 
 _MAMBA_2 = {"conv_kernel": 3, "chunk_size": 16, "use_bias": True, "use_conv_bias": False}
 
@@ -111,15 +106,3 @@ CASES = {
 
 def format_of(case: str) -> str:
     return CASES[case][0]
-
-
-def hf_config(case: str) -> transformers.PretrainedConfig:
-    _, class_name, config = CASES[case]
-    return getattr(transformers, class_name)(**config)
-
-
-def save_hf_model(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager")
-    randomize(model, seed)
-    model.eval().save_pretrained(directory)
-    return model

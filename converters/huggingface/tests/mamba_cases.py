@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 
 import torch
-import transformers
-from hf_cases import randomize
 from safetensors.torch import save_file
 
 # case -> (format, transformers config class name, config). The defaults are in the comments.
@@ -67,15 +65,6 @@ CASES = {
         },
     ),
 }
-
-
-def hf_model(case: str, seed: int = 0) -> transformers.PreTrainedModel:
-    _, class_name, config = CASES[case]
-    model = transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, class_name)(**config), attn_implementation="eager"
-    )
-    randomize(model, seed)
-    return model.eval()
 
 
 # Apriel hybrid SSM: case -> the config.json their config class writes (transformers 4.53, Mistral's keys).

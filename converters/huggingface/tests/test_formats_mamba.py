@@ -6,35 +6,33 @@ from its default, batch 2 × 37 tokens)."""
 
 from __future__ import annotations
 
-import json
-
 import apriel_reference
 import pytest
 import torch
 import transformers
+from format_checks import (
+    NOT_CARRIED,
+    TOLERANCE,
+    check_blockzoo_round_trip,
+    check_export,
+    check_huggingface_round_trip,
+    check_import,
+    comparable,
+    random_model,
+    read_config,
+    read_tensors,
+    saved_transformers_cases,
+)
 from hf_cases import TOKENS, hf_logits, load_hf, our_logits
-from mamba_cases import APRIEL_CASES, CASES, hf_model, save_apriel
-from safetensors.torch import load_file
+from mamba_cases import APRIEL_CASES, CASES, save_apriel
 
 import blockzoo
-from blockzoo.config import structure, to_dict
+from blockzoo.config import structure
 from blockzoo.conversion import ConversionError, checkpoint_formats
 from blockzoo.model.config import ModelConfig
-from blockzoo.model.factory import convert
-from blockzoo_huggingface import versions
 
-TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
-# Keys blockzoo does not carry (docs/huggingface.md): they do not change what the model computes in fp32.
-NOT_CARRIED = {
-    "max_position_embeddings",
-    "initializer_range",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "use_cache",
-    "output_router_logits",
-    "transformers_version",
-    "dtype",
+# Keys of these formats blockzoo does not carry either (docs/huggingface.md): the same computation in fp32.
+MAMBA_NOT_CARRIED = NOT_CARRIED | {
     "residual_in_fp32",
     "rescale_prenorm_residual",
     "use_mambapy",
@@ -52,12 +50,7 @@ def _format(case: str) -> str:
 def directories(tmp_path_factory):
     """case -> (a checkpoint directory of the case, the logits of its own model: transformers', or the float64
     reference's for Apriel)."""
-    found = {}
-    for case in CASES:
-        directory = tmp_path_factory.mktemp(case)
-        model = hf_model(case)
-        model.save_pretrained(directory)
-        found[case] = (directory, hf_logits(model))
+    found = saved_transformers_cases(tmp_path_factory, CASES)
     for case in APRIEL_CASES:
         directory = tmp_path_factory.mktemp(case)
         tensors = save_apriel(case, directory)
@@ -65,20 +58,9 @@ def directories(tmp_path_factory):
     return found
 
 
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
-def _config(directory) -> dict:
-    return json.loads((directory / "config.json").read_text())
-
-
-def _comparable(config: dict) -> dict:
-    """The 5.x form of a config, without the keys blockzoo does not carry; sizes made explicit as written."""
-    config = {key: value for key, value in versions.standardize(config, None).items() if key not in NOT_CARRIED}
+def _as_written(config: dict) -> dict:
+    """The original config in the form the export writes the same model: sizes made explicit."""
+    config = dict(config)
     if config["model_type"] == "jamba":
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     if "ssm_cfg" in config:  # Apriel: d_inner and d_xb written explicitly (then `expand` is not read)
@@ -92,47 +74,24 @@ def _comparable(config: dict) -> dict:
 
 @pytest.mark.parametrize("case", CASES)
 def test_import_gives_the_logits_of_transformers(case, directories):
-    directory, expected = directories[case]
-    torch.testing.assert_close(our_logits(blockzoo.load(directory)), expected, **TOLERANCE)
+    check_import(*directories[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers_with_our_logits(case, directories, tmp_path):
-    # A blockzoo model of the architecture with blockzoo's own random weights, not transformers'.
-    config = blockzoo.load(directories[case][0]).config
-    model = blockzoo.build({"model": to_dict(config), "distributed": {"seed": 7}})
-    blockzoo.save(model, tmp_path / "hf", format=_format(case))
-    torch.testing.assert_close(hf_logits(load_hf(tmp_path / "hf")), our_logits(model), **TOLERANCE)
+    check_export(directories[case][0], _format(case), tmp_path)
 
 
 @pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_huggingface_to_blockzoo_to_huggingface_is_identical(case, directories, tmp_path):
     directory, _ = directories[case]
-    # Through a native checkpoint (streaming) and through a model in memory.
-    convert(directory, tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "streamed", format=_format(case))
-    blockzoo.save(blockzoo.load(directory), tmp_path / "saved", format=_format(case))
-    original = _tensors(directory)
-    for written in ("streamed", "saved"):
-        tensors = _tensors(tmp_path / written)
-        assert tensors.keys() == original.keys()
-        for name, tensor in original.items():
-            assert torch.equal(tensors[name], tensor), name
-        assert _comparable(_config(tmp_path / written)) == _comparable(_config(directory))
-        assert blockzoo.load(tmp_path / written).config == blockzoo.load(directory).config
+    expected_config = _as_written(comparable(read_config(directory), MAMBA_NOT_CARRIED))
+    check_huggingface_round_trip(directory, _format(case), tmp_path, MAMBA_NOT_CARRIED, expected_config)
 
 
 @pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_blockzoo_to_huggingface_to_blockzoo_is_identical(case, directories, tmp_path):
-    config = blockzoo.load(directories[case][0]).config
-    model = blockzoo.build({"model": to_dict(config), "distributed": {"seed": 3}})
-    blockzoo.save(model, tmp_path / "hf", format=_format(case))
-    loaded = blockzoo.load(tmp_path / "hf")
-    assert loaded.config == model.config
-    parameters = dict(model.named_parameters())
-    assert {name for name, _ in loaded.named_parameters()} == parameters.keys()
-    for name, parameter in loaded.named_parameters():
-        assert torch.equal(parameter, parameters[name]), name
+    check_blockzoo_round_trip(directories[case][0], _format(case), tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,11 +103,11 @@ def test_the_apriel_reference_is_transformers_mistral_on_attention_layers(direct
     directory, reference = directories["apriel_attention_only"]
     config = {
         key: value
-        for key, value in _config(directory).items()
+        for key, value in read_config(directory).items()
         if key not in ("hybrid_block_layout", "ssm_cfg", "auto_map", "architectures", "model_type", "torch_dtype")
     }
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**config)).eval()
-    mistral.load_state_dict(_tensors(directory), strict=True)
+    mistral.load_state_dict(read_tensors(directory), strict=True)
     torch.testing.assert_close(hf_logits(mistral).double(), reference, atol=1e-5, rtol=1e-5)
 
 
@@ -162,7 +121,7 @@ def test_apriel_dt_bias_is_twice_their_dt_proj_bias(directories):
     # Their Mamba adds dt_proj.bias inside dt_proj and again as the scan's delta_bias.
     directory, _ = directories["apriel"]
     parameters = dict(blockzoo.load(directory).named_parameters())
-    tensors = _tensors(directory)
+    tensors = read_tensors(directory)
     for layer in (1, 4):
         expected = 2 * tensors[f"model.layers.{layer}.mixer.dt_proj.bias"]
         assert torch.equal(parameters[f"decoder.{layer}.mixer.dt_bias"], expected)
@@ -171,12 +130,12 @@ def test_apriel_dt_bias_is_twice_their_dt_proj_bias(directories):
 def test_apriel_is_written_in_the_transformers_4_form_of_their_code(directories, tmp_path):
     model = blockzoo.load(directories["apriel"][0])
     blockzoo.save(model, tmp_path / "pinned", format="apriel_hybrid_ssm")
-    config = _config(tmp_path / "pinned")
+    config = read_config(tmp_path / "pinned")
     assert config["rope_theta"] == 20000.0 and "rope_parameters" not in config
     assert config["transformers_version"] == "4.53.2" and config["torch_dtype"] == "float32"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_apriel_hybrid_ssm.AprielHybridSSMForCausalLM"
     blockzoo.save(model, tmp_path / "v5", format="apriel_hybrid_ssm", transformers_version="5.0")
-    assert _config(tmp_path / "v5")["rope_parameters"] == {"rope_type": "default", "rope_theta": 20000.0}
+    assert read_config(tmp_path / "v5")["rope_parameters"] == {"rope_type": "default", "rope_theta": 20000.0}
     assert blockzoo.load(tmp_path / "v5").config == model.config
 
 
@@ -278,10 +237,9 @@ REFUSED = {
 
 def test_a_jamba_without_moe_layers_loads_in_transformers(tmp_path):
     # No MoE: one expert, and a period past the last layer.
-    config = _model((_JAMBA_MAMBA, _MLP), (_ATTENTION, _MLP))
-    model = blockzoo.build({"model": to_dict(config), "distributed": {"seed": 5}})
+    model = random_model(_model((_JAMBA_MAMBA, _MLP), (_ATTENTION, _MLP)), seed=5)
     blockzoo.save(model, tmp_path / "hf", format="jamba")
-    written = _config(tmp_path / "hf")
+    written = read_config(tmp_path / "hf")
     assert (written["expert_layer_period"], written["expert_layer_offset"], written["num_experts"]) == (3, 2, 1)
     assert (written["attn_layer_period"], written["attn_layer_offset"]) == (2, 1)
     torch.testing.assert_close(hf_logits(load_hf(tmp_path / "hf")), our_logits(model), **TOLERANCE)

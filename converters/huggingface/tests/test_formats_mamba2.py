@@ -7,40 +7,32 @@ Each case is a tiny random transformers model whose mapped fields are all away f
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
+from format_checks import (
+    NOT_CARRIED,
+    TOLERANCE,
+    check_blockzoo_round_trip,
+    check_export,
+    check_huggingface_round_trip,
+    check_import,
+    comparable,
+    random_model,
+    read_config,
+    saved_transformers_cases,
+    with_config,
+)
 from hf_cases import hf_logits, load_hf, our_logits
-from hf_cases_mamba2 import CASES, format_of, save_hf_model
-from safetensors.torch import load_file
+from hf_cases_mamba2 import CASES, format_of
 
 import blockzoo
 from blockzoo.config import ConfigError, structure, to_dict
 from blockzoo.conversion import ConversionError, checkpoint_formats, sections, unclaimed_fields
 from blockzoo.model.config import ModelConfig
-from blockzoo.model.factory import convert
 from blockzoo.testing import ConverterSectionConformance
-from blockzoo_huggingface import versions
-
-TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
 # Keys an export does not write: they do not change what transformers computes (docs/huggingface.md).
-NOT_CARRIED = {
-    "max_position_embeddings",
-    "initializer_range",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "use_cache",
-    "transformers_version",
-    "dtype",
-    "residual_in_fp32",
-    "rescale_prenorm_residual",
-    "num_logits_to_keep",
-    "output_router_logits",  # transformers 5.24's NemotronH writes it
-}
+MAMBA2_NOT_CARRIED = NOT_CARRIED | {"residual_in_fp32", "rescale_prenorm_residual", "num_logits_to_keep"}
 NOT_CARRIED_BY_FORMAT = {
     "mamba2": {"time_step_min", "time_step_max", "time_step_floor", "time_step_rank"},
     "bamba": {"z_loss_coefficient"},
@@ -73,81 +65,37 @@ NOT_CARRIED_BY_FORMAT = {
 }
 
 
+def _not_carried(case: str) -> set[str]:
+    return MAMBA2_NOT_CARRIED | NOT_CARRIED_BY_FORMAT[format_of(case)]
+
+
 @pytest.fixture(scope="module")
 def hf_directories(tmp_path_factory):
-    """case -> (directory of the saved transformers model, its logits)."""
-    directories = {}
-    for case in CASES:
-        directory = tmp_path_factory.mktemp(case)
-        directories[case] = (directory, hf_logits(save_hf_model(case, directory)))
-    return directories
-
-
-def _tensors(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
-def _config(directory) -> dict:
-    return json.loads((directory / "config.json").read_text())
-
-
-def _comparable(config: dict) -> dict:
-    """The 5.x form of a config, without the keys the format does not carry."""
-    dropped = NOT_CARRIED | NOT_CARRIED_BY_FORMAT[config["model_type"]]
-    return {key: value for key, value in versions.standardize(config, None).items() if key not in dropped}
-
-
-def _model(config: ModelConfig, seed: int):
-    """A blockzoo model of the architecture with blockzoo's own random weights, not transformers'."""
-    return blockzoo.build({"model": to_dict(config), "distributed": {"seed": seed}})
+    return saved_transformers_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_import_gives_the_logits_of_transformers(case, hf_directories):
-    directory, expected = hf_directories[case]
-    torch.testing.assert_close(our_logits(blockzoo.load(directory)), expected, **TOLERANCE)
+    check_import(*hf_directories[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_loads_in_transformers_with_our_logits(case, hf_directories, tmp_path):
-    model = _model(blockzoo.load(hf_directories[case][0]).config, seed=7)
-    blockzoo.save(model, tmp_path / "hf", format=format_of(case))
-    torch.testing.assert_close(hf_logits(load_hf(tmp_path / "hf")), our_logits(model), **TOLERANCE)
+    check_export(hf_directories[case][0], format_of(case), tmp_path)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_huggingface_to_blockzoo_to_huggingface_is_identical(case, hf_directories, tmp_path):
     directory, _ = hf_directories[case]
-    # Through a native checkpoint (streaming) and through a model in memory.
-    convert(directory, tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "streamed", format=format_of(case))
-    blockzoo.save(blockzoo.load(directory), tmp_path / "saved", format=format_of(case))
-    original = _tensors(directory)
-    expected_config = _comparable(_config(directory))
+    expected_config = comparable(read_config(directory), _not_carried(case))
     if case == "nemotron_h_relu2":  # transformers 5 writes the pattern as its list, as the export does
         assert expected_config["layers_block_type"] == ["linear_attention", "full_attention", "mlp", "linear_attention"]
-    for written in ("streamed", "saved"):
-        tensors = _tensors(tmp_path / written)
-        assert tensors.keys() == original.keys()
-        for name, tensor in original.items():
-            assert torch.equal(tensors[name], tensor), name
-        assert _comparable(_config(tmp_path / written)) == expected_config
-        assert blockzoo.load(tmp_path / written).config == blockzoo.load(directory).config
+    check_huggingface_round_trip(directory, format_of(case), tmp_path, _not_carried(case), expected_config)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_blockzoo_to_huggingface_to_blockzoo_is_identical(case, hf_directories, tmp_path):
-    model = _model(blockzoo.load(hf_directories[case][0]).config, seed=3)
-    blockzoo.save(model, tmp_path / "hf", format=format_of(case))
-    loaded = blockzoo.load(tmp_path / "hf")
-    assert loaded.config == model.config
-    parameters = dict(model.named_parameters())
-    assert {name for name, _ in loaded.named_parameters()} == parameters.keys()
-    for name, parameter in loaded.named_parameters():
-        assert torch.equal(parameter, parameters[name]), name
+    check_blockzoo_round_trip(hf_directories[case][0], format_of(case), tmp_path)
 
 
 INFINITY = {"__float__": "Infinity"}  # how transformers 5 writes it
@@ -188,9 +136,7 @@ def _legacy(config: dict) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_a_transformers_4_config_imports_as_transformers_reads_it(case, hf_directories, tmp_path):
     directory, _ = hf_directories[case]
-    legacy = tmp_path / "legacy"
-    shutil.copytree(directory, legacy)
-    (legacy / "config.json").write_text(json.dumps(_legacy(_config(directory))))
+    legacy = with_config(directory, tmp_path / "legacy", _legacy(read_config(directory)))
     model = blockzoo.load(legacy)
     torch.testing.assert_close(our_logits(model), hf_logits(load_hf(legacy)), **TOLERANCE)
     expected = blockzoo.load(directory).config
@@ -213,7 +159,7 @@ def test_export_for_transformers_4(hf_directories, tmp_path):
     # NemotronH: the pattern string of its remote code (which transformers 5 reads too).
     model = blockzoo.load(hf_directories["nemotron_h"][0])
     blockzoo.save(model, tmp_path / "nemotron_h", format="nemotron_h", transformers_version="4.57.6")
-    config = _config(tmp_path / "nemotron_h")
+    config = read_config(tmp_path / "nemotron_h")
     assert "layers_block_type" not in config and "dtype" not in config
     assert (config["hybrid_override_pattern"], config["num_hidden_layers"]) == ("M-*M-", 5)
     assert blockzoo.load(tmp_path / "nemotron_h").config == model.config
@@ -224,9 +170,9 @@ def test_export_for_transformers_4(hf_directories, tmp_path):
         blockzoo.save(bamba, tmp_path / "bamba_quarter", format="bamba", transformers_version="4.57.6")
     data = to_dict(bamba.config)
     data["decoder"]["blocks"]["attention_mlp"]["mixer"]["rotary"]["fraction"] = 0.5
-    half = _model(structure(data, ModelConfig), seed=5)
+    half = random_model(structure(data, ModelConfig), seed=5)
     blockzoo.save(half, tmp_path / "bamba", format="bamba", transformers_version="4.57.6")
-    config = _config(tmp_path / "bamba")
+    config = read_config(tmp_path / "bamba")
     assert config["rope_theta"] == 3000.0 and "rope_parameters" not in config and "rope_scaling" not in config
     torch.testing.assert_close(hf_logits(load_hf(tmp_path / "bamba")), our_logits(half), **TOLERANCE)
 
@@ -285,10 +231,7 @@ def test_the_layers_are_converted_by_their_sections():
 
 
 def _edited(directory, tmp_path, **changes):
-    copy = tmp_path / "edited"
-    shutil.copytree(directory, copy)
-    (copy / "config.json").write_text(json.dumps({**_config(directory), **changes}))
-    return copy
+    return with_config(directory, tmp_path / "edited", {**read_config(directory), **changes})
 
 
 def _export(format_name: str, data: dict) -> dict:
