@@ -51,6 +51,6 @@ def test_plugins_json_lists_attention_and_mlp_without_importing_torch():
     assert plugins["attention"]["status"] == "loaded" and plugins["mlp"]["status"] == "loaded"
     assert plugins["attention"]["distribution"] == "blockzoo-attention"
     assert plugins["attention"]["types"]["mixer"] == ["attention"]
-    assert set(plugins["attention"]["types"]["rotary"]) == {"none", "default", "llama3", "yarn"}
+    assert set(plugins["attention"]["types"]["rotary"]) == {"none", "default", "llama3", "yarn", "partial"}
     assert plugins["mlp"]["distribution"] == "blockzoo-mlp"
     assert plugins["mlp"]["types"] == {"mlp": ["mlp"]}

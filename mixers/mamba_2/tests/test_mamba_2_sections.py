@@ -5,6 +5,7 @@ every key written claimed. The formats themselves (against transformers) are blo
 import math
 
 from blockzoo.testing import ConverterSectionConformance
+from blockzoo_mamba_2.huggingface import transformers_norm_is_per_group
 
 # Two groups (where the formats' norms differ), biases on in_proj and out_proj, none on the convolution.
 _MIXER = {
@@ -17,20 +18,22 @@ _MIXER = {
     "convolution": {"kernel_size": 3, "bias": {"enabled": False}},
     "add_linear_biases": True,
 }
+# How transformers' Mamba2 and Bamba normalize: over the whole inner dimension up to 5.22, per group since 5.23.
+_HF_PER_GROUP = transformers_norm_is_per_group(None)
 
 
 class TestMamba2Mamba2SectionConformance(ConverterSectionConformance):
     kind, format_name = "mixer", "mamba2"
 
     def config_factory(self):
-        return {**_MIXER, "dt_limit": [0.01, 5.0], "normalization": {"per_group": False, "epsilon": 1.0e-4}}
+        return {**_MIXER, "dt_limit": [0.01, 5.0], "normalization": {"per_group": _HF_PER_GROUP, "epsilon": 1.0e-4}}
 
 
 class TestMamba2BambaSectionConformance(ConverterSectionConformance):
     kind, format_name = "mixer", "bamba"
 
     def config_factory(self):
-        return {**_MIXER, "dt_limit": [0.0, math.inf], "normalization": {"per_group": False, "epsilon": 1.0e-4}}
+        return {**_MIXER, "dt_limit": [0.0, math.inf], "normalization": {"per_group": _HF_PER_GROUP, "epsilon": 1.0e-4}}
 
 
 class TestMamba2NemotronHSectionConformance(ConverterSectionConformance):

@@ -118,7 +118,7 @@ def _convolution_bias(key: str) -> ConfigMapping:
 _PER_GROUP_SINCE = (5, 23)
 
 
-def _transformers_norm_is_per_group(version: str | None) -> bool:
+def transformers_norm_is_per_group(version: str | None) -> bool:
     """Whether transformers `version` (None: the installed one; none installed: the newest) normalizes per group."""
     if version is None:
         try:
@@ -136,12 +136,12 @@ def _grouped_norm(per_group: bool | None) -> ConfigMapping:
 
     def import_(data: Mapping[str, Any]) -> dict[str, Any]:
         grouped = (
-            per_group if per_group is not None else _transformers_norm_is_per_group(data.get("transformers_version"))
+            per_group if per_group is not None else transformers_norm_is_per_group(data.get("transformers_version"))
         )
         return {"normalization.per_group": grouped}
 
     def export(config: Mamba2Config) -> dict[str, Any]:
-        grouped = per_group if per_group is not None else _transformers_norm_is_per_group(None)
+        grouped = per_group if per_group is not None else transformers_norm_is_per_group(None)
         if config.normalization.per_group != grouped and config.groups > 1:
             where = "per group" if grouped else "over the whole inner dimension"
             raise ConversionError(
