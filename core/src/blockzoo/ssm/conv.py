@@ -10,17 +10,6 @@ from blockzoo.layers.base import Batch
 ACTIVATIONS = (None, "silu")
 
 
-def positions_in_batch(batch: Batch) -> torch.Tensor:
-    """Each token's position among its document's tokens in this batch (0 at the document's first token here,
-    whatever a generation cache already holds)."""
-
-    def compute() -> torch.Tensor:
-        starts = batch.cu_seqlens[:-1].to(torch.int64)[batch.document_index]
-        return torch.arange(batch.num_tokens, device=batch.device) - starts
-
-    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch"), compute)
-
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

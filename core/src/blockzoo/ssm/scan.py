@@ -13,8 +13,18 @@ from __future__ import annotations
 import torch
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm.conv import positions_in_batch
 from blockzoo.ssm.kernels import mamba_chunk_scan, mamba_ssm_available
+
+
+def positions_in_batch(batch: Batch) -> torch.Tensor:
+    """Each token's position among its document's tokens in this batch (0 at the document's first token here,
+    whatever a generation cache already holds)."""
+
+    def compute() -> torch.Tensor:
+        starts = batch.cu_seqlens[:-1].to(torch.int64)[batch.document_index]
+        return torch.arange(batch.num_tokens, device=batch.device) - starts
+
+    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch"), compute)
 
 
 def ssd_scan(
