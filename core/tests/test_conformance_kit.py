@@ -582,7 +582,9 @@ def test_pytest_reports_broken_plugins_with_what_to_fix(pytester):
     assert re.search(
         r"\nE +What to fix:\nE +A layer that declares tensor_parallel must give the single-process", output
     )
-    assert output.count("A layer that declares tensor_parallel must give") == 1
+    # pytest repeats whole messages in its summary when it sees a CI environment: count in the reports only.
+    reports = output.split("short test summary info")[0]
+    assert reports.count("A layer that declares tensor_parallel must give") == 1
     assert "terminated with the following error" not in output  # the ranks' findings, not their tracebacks
 
 
