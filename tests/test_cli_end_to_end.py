@@ -74,7 +74,7 @@ def test_torchrun_train_then_generate(config_file, tmp_path):
     # The checkpoint of the parallel run, loaded in this single process; greedy decoding by hand.
     model, tokenizer = blockzoo.load(output_dir), ByteTokenizer()
     expected = "".join(
-        prompt + tokenizer.decode(greedy_by_full_forward(model, tokenizer.encode(prompt), steps, 256)) + "\n"
+        prompt + tokenizer.decode(greedy_by_full_forward(model, tokenizer.encode(prompt), steps, (256,))) + "\n"
         for prompt in prompts
     )
     assert result.stdout == expected

@@ -89,9 +89,14 @@ def test_generation_stops_each_sequence_at_the_stop_token():
     model = build(MODELS["gqa-untied"])
     free = [greedy_by_full_forward(model, prompt, 6) for prompt in PROMPTS]
     stop = free[0][2]
-    expected = [greedy_by_full_forward(model, prompt, 6, stop_token=stop) for prompt in PROMPTS]
+    expected = [greedy_by_full_forward(model, prompt, 6, stop_tokens=(stop,)) for prompt in PROMPTS]
     assert expected[0] == free[0][:3]
     assert model.generate(PROMPTS, 6, stop_token=stop) == expected
+    # Any of several (Hugging Face configs list several `eos_token_id`s).
+    stops = (free[1][1], stop)
+    expected = [greedy_by_full_forward(model, prompt, 6, stop_tokens=stops) for prompt in PROMPTS]
+    assert expected[1] == free[1][:2]
+    assert model.generate(PROMPTS, 6, stop_token=list(stops)) == expected
 
 
 def test_seeded_sampling_is_reproducible_and_stays_in_the_top_k():

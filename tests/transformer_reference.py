@@ -140,13 +140,14 @@ def reference_logits(
 
 
 def greedy_by_full_forward(
-    model: LanguageModel, prompt: list[int], steps: int, stop_token: int | None = None
+    model: LanguageModel, prompt: list[int], steps: int, stop_tokens: tuple[int, ...] = ()
 ) -> list[int]:
-    """Greedy continuation without any cache: argmax of the full forward over the growing sequence."""
+    """Greedy continuation without any cache: argmax of the full forward over the growing sequence, to the first of
+    `stop_tokens`."""
     sequence = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
             sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
-            if sequence[-1] == stop_token:
+            if sequence[-1] in stop_tokens:
                 break
     return sequence[len(prompt) :]

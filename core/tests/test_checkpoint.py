@@ -22,8 +22,10 @@ from blockzoo.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
+    read_origin,
     save_checkpoint,
 )
+from blockzoo.conversion import Origin
 from blockzoo.config import structure, to_dict
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
@@ -353,6 +355,44 @@ def test_saving_over_a_checkpoint_replaces_it(tmp_path):
     with pytest.raises(CheckpointError, match=r"notes: exists and is not a checkpoint; refusing to replace it"):
         save(tmp_path / "notes", first)
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def _origin(directory: Path) -> Origin:
+    """The files of a checkpoint of another format, as a converter plugin names them."""
+    directory.mkdir()
+    (directory / "config.json").write_text('{"eos_token_id": 2}')
+    (directory / "tokenizer.json").write_bytes(b'{"model": "\xc3\xa9"}')
+    (directory / "model.safetensors").write_bytes(b"weights: never kept")
+    return Origin(directory, ("config.json", "tokenizer.json"))
+
+
+def test_a_checkpoint_keeps_the_origin_files_of_its_model(tmp_path):
+    model, optimizer = trained(single())
+    origin = _origin(tmp_path / "hf")
+    save(tmp_path / "step_2", model, optimizer, origin=origin)
+    kept = read_origin(tmp_path / "step_2")
+    assert kept == Origin(tmp_path / "step_2" / "origin", ("config.json", "tokenizer.json"))
+    assert sorted(path.name for path in kept.directory.iterdir()) == ["config.json", "tokenizer.json"]
+    for path, original in zip(kept.paths(), origin.paths(), strict=True):
+        assert path.read_bytes() == original.read_bytes()
+    # Saved again from its own copies (a resumed run replacing its checkpoint), and gone once the files are.
+    save(tmp_path / "step_2", model, optimizer, origin=kept)
+    assert (tmp_path / "step_2" / "origin" / "tokenizer.json").read_bytes() == b'{"model": "\xc3\xa9"}'
+    save(tmp_path / "step_3", model, optimizer)
+    assert read_origin(tmp_path / "step_3") is None and not (tmp_path / "step_3" / "origin").exists()
+
+
+def test_origin_files_that_are_gone_fail_the_save_and_the_load(tmp_path):
+    model, optimizer = trained(single())
+    origin = _origin(tmp_path / "hf")
+    save(tmp_path / "step_2", model, optimizer, origin=origin)
+    (origin.directory / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"hf/tokenizer.json: is gone: the model's origin files are needed"):
+        save(tmp_path / "step_2", model, optimizer, origin=origin)
+    assert read_origin(tmp_path / "step_2") is not None  # the checkpoint that was there is intact
+    (tmp_path / "step_2" / "origin" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"origin/config.json: missing: the checkpoint lists it"):
+        load_checkpoint(tmp_path / "step_2", model=TinyModel(single()), distributed=single())
 
 
 def test_latest_and_keep_last(tmp_path):

@@ -22,6 +22,7 @@ from blockzoo.api import (
 )
 from blockzoo.checkpoint import CheckpointError
 from blockzoo.config import ConfigError, merge, structure
+from blockzoo.conversion import Origin
 from blockzoo.layers.base import MLP, Batch, Mixer
 from blockzoo.layers.config import LayerNormalizationConfig, ParameterConfig, RMSNormalizationConfig
 from blockzoo.layers.linear import Linear
@@ -288,6 +289,22 @@ def test_pretrained_starts_from_the_saved_weights(tmp_path):
     assert loaded.config.pretrained is None  # consumed: the built model's config does not point to the files
     assert _same(_fingerprint(loaded), _fingerprint(saved))
     assert not _same(_fingerprint(build(MODEL)), _fingerprint(saved))
+
+
+def test_origin_files_follow_the_model_through_native_checkpoints(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"bos_token_id": 5}')
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    model = build(MODEL)
+    assert model.origin is None
+    model.origin = Origin(tmp_path / "hf", ("config.json", "tokenizer.json"))  # as an import from that format sets it
+    blockzoo.save(model, tmp_path / "first")
+    loaded = blockzoo.load(tmp_path / "first")
+    assert loaded.origin == Origin(tmp_path / "first" / "origin", ("config.json", "tokenizer.json"))
+    blockzoo.save(loaded, tmp_path / "second")
+    pretrained = build({**MODEL, "pretrained": str(tmp_path / "second")})
+    assert pretrained.origin == Origin(tmp_path / "second" / "origin", ("config.json", "tokenizer.json"))
+    assert (tmp_path / "second" / "origin" / "config.json").read_text() == '{"bos_token_id": 5}'
 
 
 def _fingerprint(model: LanguageModel) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from format_checks import (
-    NOT_CARRIED,
     TOLERANCE,
     check_blockzoo_round_trip,
     check_export,
@@ -43,8 +42,8 @@ def test_export_loads_in_transformers_with_our_logits(case, hf_directories, tmp_
 @pytest.mark.parametrize("case", CASES)
 def test_huggingface_to_blockzoo_to_huggingface_is_identical(case, hf_directories, tmp_path):
     directory, _ = hf_directories[case]
-    expected_config = _as_written(comparable(read_config(directory), NOT_CARRIED))
-    check_huggingface_round_trip(directory, format_of(case), tmp_path, NOT_CARRIED, expected_config)
+    expected_config = _as_written(comparable(read_config(directory)))
+    check_huggingface_round_trip(directory, format_of(case), tmp_path, expected_config)
 
 
 def _as_written(config: dict) -> dict:

@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers
 from format_checks import (
-    NOT_CARRIED,
     TOLERANCE,
     check_blockzoo_round_trip,
     check_export,
@@ -31,14 +30,6 @@ from blockzoo.config import structure
 from blockzoo.conversion import ConversionError, checkpoint_formats
 from blockzoo.model.config import ModelConfig
 
-# Keys of these formats blockzoo does not carry either (docs/huggingface.md): the same computation in fp32.
-MAMBA_NOT_CARRIED = NOT_CARRIED | {
-    "residual_in_fp32",
-    "rescale_prenorm_residual",
-    "use_mambapy",
-    "use_associative_scan",
-    "use_mamba_kernels",
-}
 ROUND_TRIPS = [*CASES, "apriel", "apriel_implicit_sizes"]
 
 
@@ -85,8 +76,8 @@ def test_export_loads_in_transformers_with_our_logits(case, directories, tmp_pat
 @pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_huggingface_to_blockzoo_to_huggingface_is_identical(case, directories, tmp_path):
     directory, _ = directories[case]
-    expected_config = _as_written(comparable(read_config(directory), MAMBA_NOT_CARRIED))
-    check_huggingface_round_trip(directory, _format(case), tmp_path, MAMBA_NOT_CARRIED, expected_config)
+    expected_config = _as_written(comparable(read_config(directory)))
+    check_huggingface_round_trip(directory, _format(case), tmp_path, expected_config)
 
 
 @pytest.mark.parametrize("case", ROUND_TRIPS)

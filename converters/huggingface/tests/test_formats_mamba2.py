@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from format_checks import (
-    NOT_CARRIED,
     TOLERANCE,
     check_blockzoo_round_trip,
     check_export,
@@ -31,43 +30,6 @@ from blockzoo.conversion import ConversionError, checkpoint_formats, sections, u
 from blockzoo.model.config import ModelConfig
 from blockzoo.testing import ConverterSectionConformance
 
-# Keys an export does not write: they do not change what transformers computes (docs/huggingface.md).
-MAMBA2_NOT_CARRIED = NOT_CARRIED | {"residual_in_fp32", "rescale_prenorm_residual", "num_logits_to_keep"}
-NOT_CARRIED_BY_FORMAT = {
-    "mamba2": {"time_step_min", "time_step_max", "time_step_floor", "time_step_rank"},
-    "bamba": {"z_loss_coefficient"},
-    "nemotron_h": {
-        # read by no layer transformers builds here
-        "time_step_max",
-        "time_step_floor",
-        "time_step_limit",
-        "mamba_proj_bias",
-        "expand",
-        "mamba_ssm_cache_dtype",
-        "attention_bias",
-        "sliding_window",
-        "hidden_dropout",
-        "use_mamba_kernels",
-        "mtp_layers_block_type",
-        # of the MoE layers, which these models do not have
-        "n_routed_experts",
-        "n_shared_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "moe_shared_expert_intermediate_size",
-        "moe_shared_expert_overlap",
-        "moe_latent_size",
-        "routed_scaling_factor",
-        "n_group",
-        "topk_group",
-        "norm_topk_prob",
-    },
-}
-
-
-def _not_carried(case: str) -> set[str]:
-    return MAMBA2_NOT_CARRIED | NOT_CARRIED_BY_FORMAT[format_of(case)]
-
 
 @pytest.fixture(scope="module")
 def hf_directories(tmp_path_factory):
@@ -87,10 +49,10 @@ def test_export_loads_in_transformers_with_our_logits(case, hf_directories, tmp_
 @pytest.mark.parametrize("case", CASES)
 def test_huggingface_to_blockzoo_to_huggingface_is_identical(case, hf_directories, tmp_path):
     directory, _ = hf_directories[case]
-    expected_config = comparable(read_config(directory), _not_carried(case))
+    expected_config = comparable(read_config(directory))
     if case == "nemotron_h_relu2":  # transformers 5 writes the pattern as its list, as the export does
         assert expected_config["layers_block_type"] == ["linear_attention", "full_attention", "mlp", "linear_attention"]
-    check_huggingface_round_trip(directory, format_of(case), tmp_path, _not_carried(case), expected_config)
+    check_huggingface_round_trip(directory, format_of(case), tmp_path, expected_config)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,7 +10,9 @@ A checkpoint is a directory:
   name in `model.named_parameters()` (tied parameters once);
 - `optimizer.safetensors` (when an optimizer is given): each parameter's optimizer state as
   `<parameter name>/<state key>` (AdamW: `step`, `exp_avg`, `exp_avg_sq`); a state tensor shaped like
-  its parameter is stored global like it, a scalar as it is.
+  its parameter is stored global like it, a scalar as it is;
+- `origin/` (when the model was imported from another format): copies of that checkpoint's files other than its
+  weights (`blockzoo.conversion.Origin`: its config, tokenizer, generation settings), for exports to give back.
 
 No pickle: tensors go to safetensors, everything else to YAML. Rank 0 writes, after the ranks gathered
 the global tensors, into a temporary directory beside the target that is then renamed, so a crash
@@ -39,6 +41,7 @@ from torch import nn
 
 from blockzoo import __version__
 from blockzoo.config import Config, PolymorphicConfig, to_yaml
+from blockzoo.conversion import Origin
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.errors import UsageError
 from blockzoo.plugins import get_registry
@@ -48,6 +51,7 @@ CONFIG_FILE = "config.yaml"
 METADATA_FILE = "metadata.yaml"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+ORIGIN_DIRECTORY = "origin"
 _STEP_DIRECTORY = re.compile(r"step_(\d+)")
 
 
@@ -74,15 +78,17 @@ def save_checkpoint(
     distributed: Distributed,
     data_state: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
+    origin: Origin | None = None,
 ) -> Path:
     """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it; rank 0 writes.
 
     `data_state` is the data position, `extra` any other trainer state: plain YAML data (numbers, strings,
-    lists, mappings, bytes). An existing checkpoint at `directory` is replaced only once the new one is
-    complete.
+    lists, mappings, bytes); `origin`, the files of the checkpoint the model was imported from, copied into
+    `origin/`. An existing checkpoint at `directory` is replaced only once the new one is complete.
     """
     directory = Path(directory)
     files = [MODEL_FILE] if optimizer is None else [MODEL_FILE, OPTIMIZER_FILE]
+    files += [f"{ORIGIN_DIRECTORY}/{name}" for name in (origin.files if origin else ())]
     # Built on every rank before any collective, so that bad trainer state fails everywhere alike.
     metadata = _yaml_text(
         {
@@ -105,7 +111,14 @@ def save_checkpoint(
     failure: BaseException | None = None
     if writer:
         try:
-            _write(directory, config=config, metadata=metadata, weights=weights, optimizer_state=optimizer_state)
+            _write(
+                directory,
+                config=config,
+                metadata=metadata,
+                weights=weights,
+                optimizer_state=optimizer_state,
+                origin=origin,
+            )
         except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
             failure = error
     _share_outcome(distributed, failure, directory)
@@ -199,6 +212,7 @@ def _write(
     metadata: str,
     weights: dict[str, torch.Tensor],
     optimizer_state: dict[str, torch.Tensor] | None,
+    origin: Origin | None,
 ) -> None:
     if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
         raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
@@ -213,13 +227,23 @@ def _write(
             save_file(optimizer_state, temporary / OPTIMIZER_FILE)
         (temporary / CONFIG_FILE).write_text(config)
         (temporary / METADATA_FILE).write_text(metadata)
-        for path in temporary.iterdir():
+        if origin is not None:
+            _copy_origin(origin, temporary / ORIGIN_DIRECTORY)
+        for path in temporary.rglob("*"):
             _fsync(path)
         _replace(temporary, directory)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     _fsync(directory.parent)
+
+
+def _copy_origin(origin: Origin, destination: Path) -> None:
+    destination.mkdir()
+    for path in origin.paths():
+        if not path.is_file():
+            raise CheckpointError(path, "is gone: the model's origin files are needed to save it (with the checkpoint)")
+        shutil.copyfile(path, destination / path.name)
 
 
 def _replace(source: Path, target: Path) -> None:
@@ -295,6 +319,14 @@ def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
     _read_metadata(directory)
     return _read_yaml(directory / CONFIG_FILE)
+
+
+def read_origin(directory: str | Path) -> Origin | None:
+    """The origin files a checkpoint keeps (None when its model was not imported from another format)."""
+    directory = Path(directory)
+    prefix = f"{ORIGIN_DIRECTORY}/"
+    names = [file.removeprefix(prefix) for file in _read_metadata(directory)["files"] if file.startswith(prefix)]
+    return Origin(directory / ORIGIN_DIRECTORY, tuple(names)) if names else None
 
 
 def load_checkpoint(

@@ -8,6 +8,7 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from blockzoo.config import ConfigError, structure
 from blockzoo.errors import UsageError
@@ -107,6 +108,7 @@ def _generate(arguments: argparse.Namespace) -> int:
     import torch
 
     from blockzoo.data.dataset import build_dataset
+    from blockzoo.data.tokenizer import origin_tokenizer
     from blockzoo.model.factory import load
 
     if arguments.max_new_tokens < 1:
@@ -115,9 +117,16 @@ def _generate(arguments: argparse.Namespace) -> int:
         raise UsageError(f"--temperature must be >= 0, got {arguments.temperature}")
     model = load(arguments.checkpoint)
     run_config = model.run_config
-    tokenizer = build_dataset(run_config.data, seed=run_config.distributed.seed).tokenizer
-    if tokenizer is None:
-        raise UsageError(f"the checkpoint's data ({run_config.data.kind} type) has no tokenizer to encode a prompt")
+    # The tokenizer a model imported from Hugging Face came with, else its training data's.
+    if (found := origin_tokenizer(model.origin)) is not None:
+        tokenizer, stop_tokens = found
+    elif model.origin is not None and model.origin.directory == Path(arguments.checkpoint):
+        raise UsageError(f"{arguments.checkpoint} has no tokenizer.json to encode the prompt with")
+    else:
+        tokenizer = build_dataset(run_config.data, seed=run_config.distributed.seed).tokenizer
+        if tokenizer is None:
+            raise UsageError(f"the checkpoint's data ({run_config.data.kind} type) has no tokenizer to encode a prompt")
+        stop_tokens = getattr(tokenizer, "eod_token_id", None)
     prompts = [tokenizer.encode(prompt) for prompt in arguments.prompt]
     generator = torch.Generator().manual_seed(arguments.seed)
     outputs = model.generate(
@@ -126,7 +135,7 @@ def _generate(arguments: argparse.Namespace) -> int:
         temperature=arguments.temperature,
         top_k=arguments.top_k,
         generator=generator,
-        stop_token=getattr(tokenizer, "eod_token_id", None),
+        stop_token=stop_tokens,
     )
     for prompt, output in zip(arguments.prompt, outputs):
         print(prompt + tokenizer.decode(output))

@@ -347,6 +347,24 @@ class Section:
     def claimed_keys(self) -> frozenset[str]:
         return frozenset(key for mapping in self.config for key in mapping.theirs)
 
+    @property
+    def ignored_keys(self) -> frozenset[str]:
+        return frozenset(key for mapping in self.config if isinstance(mapping, Ignored) for key in mapping.theirs)
+
+
+@attrs.frozen
+class Origin:
+    """The files of the checkpoint a model was imported from that are not its weights: the format's config, the
+    tokenizer, generation settings. A model remembers them (`LanguageModel.origin`), native checkpoints keep copies
+    (their `origin/` directory), and an export gives them back, so a fine-tuned model leaves with the tokenizer and
+    token ids it came with. `files`: names in `directory`."""
+
+    directory: Path
+    files: tuple[str, ...]
+
+    def paths(self) -> list[Path]:
+        return [self.directory / name for name in self.files]
+
 
 class CheckpointFormat:
     """A checkpoint format other than blockzoo's own (e.g. a Hugging Face architecture). A converter plugin
@@ -358,6 +376,10 @@ class CheckpointFormat:
     def recognizes(self, directory: Path) -> bool:
         """Whether `directory` holds a checkpoint of this format."""
         raise NotImplementedError
+
+    def origin(self, directory: Path) -> Origin | None:
+        """The files of the checkpoint in `directory` to keep with a model imported from it (None: nothing)."""
+        return None
 
     def read_model_config(self, directory: Path) -> dict[str, Any]:
         """The blockzoo model config (plain data of `ModelConfig`) of the checkpoint in `directory`."""
@@ -456,6 +478,11 @@ def section_for(format: str, config_class: type, path: str = "") -> Section:
 def claimed_keys(format: str) -> frozenset[str]:
     """Every format key claimed by a section registered for `format`."""
     return frozenset(key for section in sections(format).values() for key in section.claimed_keys)
+
+
+def ignored_keys(format: str) -> frozenset[str]:
+    """Every format key a section registered for `format` claims as `Ignored`."""
+    return frozenset(key for section in sections(format).values() for key in section.ignored_keys)
 
 
 def detect_format(directory: Path) -> CheckpointFormat | None:

@@ -23,7 +23,7 @@ import torch
 from blockzoo.api import Distributed
 from blockzoo.checkpoint import MODEL_FILE, save_checkpoint
 from blockzoo.config import Config
-from blockzoo.conversion import ConversionError, read_json
+from blockzoo.conversion import ConversionError, Origin, read_json
 from blockzoo_huggingface.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 CONFIG_JSON = "config.json"
@@ -158,10 +158,12 @@ def open_writer(path: Path, tensors: Mapping[str, tuple[torch.dtype, tuple[int, 
 
 
 @contextlib.contextmanager
-def new_native_checkpoint(destination: Path, run_config: Config, *, source: str) -> Iterator[Path]:
+def new_native_checkpoint(
+    destination: Path, run_config: Config, *, source: str, origin: Origin | None = None
+) -> Iterator[Path]:
     """Yields the path of the `model.safetensors` to write; then `destination` is a native checkpoint at step 0 of
-    `run_config` with those weights. The core writes config and metadata (of a model without parameters here),
-    the weights file then replaces its empty one, and the whole is renamed into place."""
+    `run_config` with those weights (and the `origin` files). The core writes config and metadata (of a model
+    without parameters here), the weights file then replaces its empty one, and the whole is renamed into place."""
     destination = Path(destination)
     check_new_directory(destination)
     staging = destination.parent / f".{destination.name}.converting"
@@ -175,6 +177,7 @@ def new_native_checkpoint(destination: Path, run_config: Config, *, source: str)
             step=0,
             distributed=Distributed(run_config.distributed, world_size=1, rank=0),
             extra={"converted_from": source},
+            origin=origin,
         )
         yield staging / MODEL_FILE
         if destination.exists():

@@ -9,6 +9,7 @@ registry imports this module with the plugin).
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,11 +21,13 @@ from blockzoo.api import get_registry
 from blockzoo.conversion import (
     CheckpointFormat,
     ConversionError,
+    Origin,
     Section,
     WeightMapping,
     claimed_keys,
     expand_weights,
     export_config,
+    ignored_keys,
     import_config,
     merge_keys,
     read_json,
@@ -100,6 +103,28 @@ GENERIC_KEYS = frozenset(
     }
 )
 
+# Files of a checkpoint directory kept with a model imported from it and written back by its exports, besides
+# config.json: the tokenizer, generation settings, the license, and the remote code an `auto_map` names.
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "LICENSE*",
+    "NOTICE*",
+    "configuration_*.py",
+    "modeling_*.py",
+    "tokenization_*.py",
+)
+
 
 @attrs.frozen(kw_only=True)
 class HuggingfaceFormat(CheckpointFormat):
@@ -136,6 +161,16 @@ class HuggingfaceFormat(CheckpointFormat):
         except ConversionError:
             return False
 
+    def origin(self, directory: Path) -> Origin:
+        """config.json and the companion files (`COMPANION_FILES`) of the directory."""
+        directory = Path(directory)
+        companions = sorted(
+            path.name
+            for path in directory.iterdir()
+            if path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in COMPANION_FILES)
+        )
+        return Origin(directory, (CONFIG_JSON, *companions))
+
     def read_model_config(self, directory: Path) -> dict[str, Any]:
         return self.import_config(read_json(Path(directory) / CONFIG_JSON), source=str(directory))
 
@@ -167,8 +202,16 @@ class HuggingfaceFormat(CheckpointFormat):
     def check_model_config(self, config: ModelConfig) -> None:
         self.export_config(config)
 
-    def export_config(self, model: ModelConfig, *, transformers_version: str | None = None) -> dict[str, Any]:
-        """The config.json of a blockzoo model config, for the given (default: installed) transformers version."""
+    def export_config(
+        self,
+        model: ModelConfig,
+        *,
+        transformers_version: str | None = None,
+        origin: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The config.json of a blockzoo model config, for the given (default: installed) transformers version.
+        `origin`: the config.json the model was imported from, whose keys that no field holds (token ids, maximum
+        length, ...) are written back."""
         config = export_config(self.name, model, section=self.model_section, claimed=("decoder",))
         origins = dict.fromkeys(config, "the model")
         layers = []
@@ -185,11 +228,20 @@ class HuggingfaceFormat(CheckpointFormat):
             transformers_version=str(version),
             dtype="float32",
         )
+        if origin is not None:
+            config = {**self._carried(origin), **config}
         if version.major < 5:
             config = versions.legacy(config)
             if self.legacy is not None:
                 config = self.legacy(config)
         return dict(sorted(config.items()))
+
+    def _carried(self, origin: Mapping[str, Any]) -> dict[str, Any]:
+        """The keys of an origin config.json that no field holds and this format knows: the generic ones and those
+        its sections ignore."""
+        carried = (GENERIC_KEYS | self.model_section.ignored_keys | ignored_keys(self.name)) - {"_name_or_path"}
+        origin = versions.standardize(dict(origin), self.default_rope_theta)
+        return {key: value for key, value in origin.items() if key in carried}
 
     # -- weights (weights.py) ----------------------------------------------------------------------------------------
 

@@ -205,9 +205,9 @@ class AprielFormat(HuggingfaceFormat):
 
     transformers_version: str = "4.53.2"
 
-    def export_config(self, model: ModelConfig, *, transformers_version: str | None = None) -> dict[str, Any]:
+    def export_config(self, model: ModelConfig, *, transformers_version: str | None = None, **options: Any) -> dict:
         version = transformers_version or self.transformers_version
-        return HuggingfaceFormat.export_config(self, model, transformers_version=version)
+        return HuggingfaceFormat.export_config(self, model, transformers_version=version, **options)
 
 
 # Fast-LLM's export names its remote code so (copy configuration_/modeling_apriel_hybrid_ssm.py beside the weights).

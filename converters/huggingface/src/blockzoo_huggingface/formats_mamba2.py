@@ -155,7 +155,7 @@ _NEMOTRON_PARTS = {
     "*": {"mixer": "attention", "mlp": "none"},
     "-": {"mixer": "none", "mlp": "mlp"},
 }
-# The keys of its MoE layers: claimed here, which refuses the layers (`_refuse_moe`).
+# The keys of its MoE layers, which the layout refuses (`_refuse_moe`): ignored in a model without them.
 _NEMOTRON_MOE_KEYS = (
     "n_routed_experts",
     "n_shared_experts",
@@ -204,7 +204,6 @@ class NemotronHLayers:
             "layers_block_type",
             "hybrid_override_pattern",
             "num_hidden_layers",
-            *_NEMOTRON_MOE_KEYS,
             *_NEMOTRON_OLD_KEYS,
         )
 
@@ -387,6 +386,7 @@ MAMBA2_FORMATS = (
                     Ignored(theirs=("num_logits_to_keep",), reason="a generation option"),
                     # transformers 5.24 writes it (its MoE layers' output option), whatever the layers are.
                     Ignored(theirs=("output_router_logits",), reason="an output option of transformers"),
+                    Ignored(theirs=_NEMOTRON_MOE_KEYS, reason="the keys of MoE layers (`E`), which are refused"),
                     *_NEMOTRON_REMOTE_CODE_KEYS,
                 ),
                 prefix="backbone",

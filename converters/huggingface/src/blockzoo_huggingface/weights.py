@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,9 @@ import torch
 
 import blockzoo
 from blockzoo.api import Distributed, DistributedConfig
-from blockzoo.checkpoint import MODEL_FILE, read_checkpoint_config
+from blockzoo.checkpoint import MODEL_FILE, read_checkpoint_config, read_origin
 from blockzoo.config import structure
-from blockzoo.conversion import ConversionError, WeightMapping
+from blockzoo.conversion import ConversionError, Origin, WeightMapping, read_json
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
 from blockzoo_huggingface import files
@@ -85,7 +86,9 @@ def import_checkpoint(fmt: HuggingfaceFormat, source: Path, destination: Path) -
     expected = parameter_shapes(model)
     layout = {name: (torch.float32, shape) for name, shape in expected.items()}
     with (
-        files.new_native_checkpoint(destination, run_config, source=f"{fmt.name} {source}") as weights_path,
+        files.new_native_checkpoint(
+            destination, run_config, source=f"{fmt.name} {source}", origin=fmt.origin(source)
+        ) as weights_path,
         SafetensorsWriter(weights_path, layout) as writer,
     ):
         for name, tensor in stream_import(fmt, source, model, expected):
@@ -150,7 +153,7 @@ def save(
 
     shapes = {name: tuple(parameter.meta.global_shape) for name, parameter in parameters.items()}
     options = {"dtype_name": dtype, "transformers_version": transformers_version, "max_shard_size": max_shard_size}
-    write(fmt, directory, model.config, shapes, read, writes=distributed.rank == 0, **options)
+    write(fmt, directory, model.config, shapes, read, writes=distributed.rank == 0, origin=model.origin, **options)
     return directory
 
 
@@ -172,7 +175,7 @@ def export_checkpoint(
         if found != expected:
             raise ConversionError(f"{source / MODEL_FILE}: {_difference(found, expected)}")
         options = {"dtype_name": dtype, "transformers_version": transformers_version, "max_shard_size": max_shard_size}
-        write(fmt, destination, model, expected, reader.read, writes=True, **options)
+        write(fmt, destination, model, expected, reader.read, writes=True, origin=read_origin(source), **options)
     return destination
 
 
@@ -187,13 +190,19 @@ def write(
     transformers_version: str | None,
     max_shard_size: int,
     writes: bool,
+    origin: Origin | None,
 ) -> None:
     """config.json, then the shards in mapping order, each mapping's tensors in one shard. `read(name)`: a
-    parameter's global tensor; `writes`: this process writes (the others only take part in `read`)."""
+    parameter's global tensor; `writes`: this process writes (the others only take part in `read`); `origin`: the
+    files of the checkpoint the model was imported from, written back (config.json's keys that no field holds)."""
     # Everything that can refuse is checked first, on every rank, before any rank gathers a tensor.
     files.check_new_directory(destination)
     dtype = _dtype(dtype_name)
-    config = fmt.export_config(model, transformers_version=transformers_version)
+    companions = [] if origin is None else [path for path in origin.paths() if path.name != CONFIG_JSON]
+    if missing := [path for path in companions if not path.is_file()]:
+        raise ConversionError(f"{missing[0]}: gone, but the model's origin files are written with it")
+    origin_config = read_json(origin.directory / CONFIG_JSON) if origin and CONFIG_JSON in origin.files else None
+    config = fmt.export_config(model, transformers_version=transformers_version, origin=origin_config)
     config["dtype" if "dtype" in config else "torch_dtype"] = next(n for n, d in DTYPES.items() if d == dtype)
     mappings = fmt.weight_mappings(model)
     if missing := sorted(set(shapes) - {name for mapping in mappings for name in mapping.ours}):
@@ -218,6 +227,8 @@ def write(
             if len(shards) > 1:
                 files.write_index(directory, weight_map, sum(sizes))
             files.write_json(directory / CONFIG_JSON, config)
+            for path in companions:
+                shutil.copyfile(path, directory / path.name)
 
 
 def _export_shapes(mapping: WeightMapping, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from blockzoo.conversion import Origin, read_json
 from blockzoo.data.errors import DatasetError
 
 BYTE = "byte"
@@ -109,3 +110,16 @@ def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokeniz
     if path.is_dir():
         path = path / "tokenizer.json"
     return HuggingFaceTokenizer(path, eod_token)
+
+
+def origin_tokenizer(origin: Origin | None) -> tuple[Tokenizer, list[int]] | None:
+    """The tokenizer of the Hugging Face checkpoint a model was imported from (its `tokenizer.json`), and the ids that
+    end a generation (`eos_token_id` of its generation_config.json, else of its config.json); None without one."""
+    if origin is None or "tokenizer.json" not in origin.files:
+        return None
+    tokenizer = HuggingFaceTokenizer(origin.directory / "tokenizer.json")
+    stop: Any = None
+    for name in ("generation_config.json", "config.json"):
+        if stop is None and name in origin.files:
+            stop = read_json(origin.directory / name).get("eos_token_id")
+    return tokenizer, [stop] if isinstance(stop, int) else list(stop or [])

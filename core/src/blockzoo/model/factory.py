@@ -11,6 +11,7 @@ from blockzoo.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
+    read_origin,
     save_checkpoint,
 )
 from blockzoo.config import ConfigError, merge, structure, to_dict, update
@@ -18,6 +19,7 @@ from blockzoo.config import load as load_config
 from blockzoo.conversion import (
     CheckpointFormat,
     ConversionError,
+    Origin,
     checkpoint_formats,
     detect_format,
     get_format,
@@ -57,6 +59,7 @@ def build(
     model.run_config = run_config
     if source is not None:
         load_pretrained_weights(model, source)
+        model.origin = pretrained_origin(source)
     return model
 
 
@@ -77,6 +80,7 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
     model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
     load_checkpoint(directory, model=model, distributed=model.distributed)
+    model.origin = read_origin(directory)
     return model
 
 
@@ -88,7 +92,9 @@ def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", **
     run_config = getattr(model, "run_config", None) or RunConfig(
         model=model.config, distributed=model.distributed.config
     )
-    save_checkpoint(Path(path), model=model, run_config=run_config, step=0, distributed=model.distributed)
+    save_checkpoint(
+        Path(path), model=model, run_config=run_config, step=0, distributed=model.distributed, origin=model.origin
+    )
     return Path(path)
 
 
@@ -134,6 +140,14 @@ def pretrained_model_config(source: str | Path) -> dict:
     return read_checkpoint_config(_checkpoint_directory(source)).get("model", {})
 
 
+def pretrained_origin(source: str | Path) -> Origin | None:
+    """The origin files of a checkpoint of any format: a foreign checkpoint's own, a native one's copies."""
+    source = Path(source)
+    if (foreign := _foreign_format(source)) is not None:
+        return foreign.origin(source)
+    return read_origin(_checkpoint_directory(source))
+
+
 def load_pretrained_weights(model: LanguageModel, source: str | Path, distributed: Distributed | None = None) -> None:
     """Fill `model`'s parameters (this rank's shards) from a checkpoint of any format."""
     source, distributed = Path(source), distributed or model.distributed
@@ -148,6 +162,7 @@ def _load_foreign(foreign: CheckpointFormat, path: Path, distributed: Distribute
     run_config = RunConfig(model=model_config)
     model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
     foreign.load_weights(path, model, model.distributed)
+    model.origin = foreign.origin(path)
     return model
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockzoo.conversion import Origin
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import IGNORE_INDEX, Batch
 from blockzoo.layers.config import NormalInitializationConfig
@@ -118,6 +119,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.distributed = distributed
+        # The files of the checkpoint of another format the weights came from (blockzoo.conversion.Origin).
+        self.origin: Origin | None = None
         hidden_dim = TensorDim("hidden", config.hidden_size)
         lr_scale = _scaled(1.0, config.lr_scale)
         self.embeddings = Embeddings(
@@ -184,9 +187,10 @@ class LanguageModel(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
-        stop_token: int | None = None,
+        stop_token: int | Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """New tokens for each prompt: greedy when `temperature` is 0, else sampled (optionally from the top k).
+        """New tokens for each prompt: greedy when `temperature` is 0, else sampled (optionally from the top k); a
+        sequence ends with its `stop_token` (one id, or any of several).
 
         Each mixer keeps its own state (KV cache, SSM state), so every step runs one token per sequence.
         """
@@ -204,13 +208,15 @@ class LanguageModel(nn.Module):
         logits = self.forward_packed(tokens, batch, states)[batch.cu_seqlens[1:].long() - 1]
         outputs: list[list[int]] = [[] for _ in prompts]
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        stop_tokens = [stop_token] if isinstance(stop_token, int) else list(stop_token or ())
+        stop_tokens = torch.tensor(stop_tokens, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
             next_tokens = _pick(logits.float(), temperature, top_k, generator)
             for index, token in enumerate(next_tokens.tolist()):
                 if not finished[index]:
                     outputs[index].append(token)
-            if stop_token is not None:
-                finished |= next_tokens == stop_token
+            if len(stop_tokens):
+                finished |= torch.isin(next_tokens, stop_tokens)
                 if bool(finished.all()):
                     break
             if step + 1 == max_new_tokens:

@@ -22,12 +22,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from blockzoo.checkpoint import keep_last, latest_checkpoint, load_checkpoint, save_checkpoint
+from blockzoo.checkpoint import (
+    ORIGIN_DIRECTORY,
+    keep_last,
+    latest_checkpoint,
+    load_checkpoint,
+    read_origin,
+    save_checkpoint,
+)
 from blockzoo.conversion import get_format
 from blockzoo.data.dataset import build_dataset
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import IGNORE_INDEX, Batch
-from blockzoo.model.factory import convert, load_pretrained_weights, with_pretrained_config
+from blockzoo.model.factory import convert, load_pretrained_weights, pretrained_origin, with_pretrained_config
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
@@ -66,6 +73,7 @@ class Trainer:
         self.model = LanguageModel(run_config.model, self.distributed)
         if pretrained is not None:
             load_pretrained_weights(self.model, pretrained, self.distributed)
+            self.model.origin = pretrained_origin(pretrained)
             self.log(f"initialized from {pretrained}")
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
@@ -239,7 +247,10 @@ class Trainer:
             step=self.step,
             distributed=self.distributed,
             data_state=self.data_position,
+            origin=self.model.origin,
         )
+        if self.model.origin is not None:  # the newest copies: the checkpoints holding older ones may be pruned
+            self.model.origin = attrs.evolve(self.model.origin, directory=directory / ORIGIN_DIRECTORY)
         if self.distributed.rank == 0:
             keep_last(self.output_dir, self.config.checkpoint_keep)
         self.log(f"saved checkpoint {directory}")
@@ -272,6 +283,7 @@ class Trainer:
         _, metadata = load_checkpoint(last, model=self.model, optimizer=self.optimizer, distributed=self.distributed)
         self.step = int(metadata["step"])
         self.data_position = metadata.get("data")
+        self.model.origin = read_origin(last)
         self.log(f"resumed from {last} (step {self.step})")
 
     # -- reporting -----------------------------------------------------------------------------------------------------
