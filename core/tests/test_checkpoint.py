@@ -25,8 +25,8 @@ from blockzoo.checkpoint import (
     read_origin,
     save_checkpoint,
 )
-from blockzoo.conversion import Origin
 from blockzoo.config import structure, to_dict
+from blockzoo.conversion import Origin
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.config import BiasConfig, LinearConfig, NormalInitializationConfig

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import blockzoo
+import blockzoo.layers.parameter
 from blockzoo.api import (
     TENSOR_PARALLEL,
     LinearConfig,
@@ -289,6 +290,19 @@ def test_pretrained_starts_from_the_saved_weights(tmp_path):
     assert loaded.config.pretrained is None  # consumed: the built model's config does not point to the files
     assert _same(_fingerprint(loaded), _fingerprint(saved))
     assert not _same(_fingerprint(build(MODEL)), _fingerprint(saved))
+
+
+def test_models_loaded_from_checkpoints_are_not_initialized_first(tmp_path, monkeypatch):
+    blockzoo.save(build(MODEL), tmp_path / "checkpoint")
+    monkeypatch.setattr(blockzoo.layers.parameter, "initialize_parameter", _never_called)
+    blockzoo.load(tmp_path / "checkpoint")
+    build({**MODEL, "pretrained": str(tmp_path / "checkpoint")})
+    with pytest.raises(AssertionError, match="initialized"):
+        build(MODEL)
+
+
+def _never_called(parameter, distributed):
+    raise AssertionError(f"{parameter.meta.name} initialized, then overwritten by the checkpoint")
 
 
 def test_origin_files_follow_the_model_through_native_checkpoints(tmp_path):

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import blockzoo.layers.parameter
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.config import (
@@ -17,7 +18,7 @@ from blockzoo.layers.config import (
 from blockzoo.layers.dims import ConcatenatedTensorDim, TensorDim
 from blockzoo.layers.initialization import initialize_fill, initialize_normal, initialize_uniform
 from blockzoo.layers.linear import Linear
-from blockzoo.layers.parameter import create_parameter, initialize_parameter, materialize
+from blockzoo.layers.parameter import create_parameter, initialize_parameter, materialize, uninitialized
 
 NORMAL = NormalInitializationConfig(std=0.1)
 
@@ -153,3 +154,25 @@ def test_initialize_parameter_restores_the_initial_values():
         parameter.zero_()
     initialize_parameter(parameter, distributed)
     torch.testing.assert_close(parameter.detach(), initial, rtol=0, atol=0)
+
+
+def test_parameters_made_uninitialized_skip_only_the_initialization(monkeypatch):
+    distributed = _single()
+    initialized = []
+    original = blockzoo.layers.parameter.initialize_parameter
+
+    def spy(parameter, distributed):
+        initialized.append(parameter.meta.name)
+        original(parameter, distributed)
+
+    monkeypatch.setattr(blockzoo.layers.parameter, "initialize_parameter", spy)
+    reference = create_parameter("w", (TensorDim("out", 5),), _settings(), distributed)
+    with uninitialized():
+        skipped = create_parameter("w", (TensorDim("out", 5),), _settings(), distributed)
+        with uninitialized(False):  # does not turn it back on
+            create_parameter("v", (TensorDim("out", 5),), _settings(), distributed)
+    with uninitialized(False):
+        again = create_parameter("w", (TensorDim("out", 5),), _settings(), distributed)
+    assert initialized == ["w", "w"]
+    assert skipped.meta.name == "w" and skipped.shape == reference.shape and skipped.requires_grad
+    torch.testing.assert_close(again.detach(), reference.detach(), rtol=0, atol=0)

@@ -8,6 +8,7 @@ import torch
 from hf_cases import hf_logits, hf_model, load_hf, our_logits
 
 import blockzoo
+import blockzoo.layers.parameter
 from blockzoo.cli import main
 from blockzoo.config import ConfigError, structure
 from blockzoo.conversion import ConversionError
@@ -94,6 +95,16 @@ def test_train_from_a_huggingface_checkpoint_and_export(hf_directory, tmp_path):
     torch.testing.assert_close(hf_logits(exported), trained, atol=1e-4, rtol=1e-4)
     # The checkpoint's config is complete: it loads without the Hugging Face directory.
     assert blockzoo.load(tmp_path / "run").config == trainer.model.config
+
+
+def test_models_from_a_huggingface_checkpoint_are_not_initialized_first(hf_directory, tmp_path, monkeypatch):
+    def never(parameter, distributed):
+        raise AssertionError(f"{parameter.meta.name} initialized, then overwritten by the checkpoint")
+
+    monkeypatch.setattr(blockzoo.layers.parameter, "initialize_parameter", never)
+    torch.testing.assert_close(our_logits(blockzoo.load(hf_directory[0])), hf_directory[1], atol=1e-4, rtol=1e-4)
+    trainer = Trainer(_run_config(hf_directory[0], tmp_path / "run"), log=lambda _: None)
+    torch.testing.assert_close(our_logits(trainer.model), hf_directory[1], atol=1e-4, rtol=1e-4)
 
 
 def test_a_resumed_run_takes_its_model_from_its_checkpoint(hf_directory, tmp_path):

@@ -123,7 +123,7 @@ def test_training_from_a_huggingface_checkpoint_exports_with_its_tokenizer(hf_di
     assert (tmp_path / "run" / "step_2" / "origin" / "tokenizer.json").is_file()
     # Resumed, the origin comes from the checkpoint, and later checkpoints keep it.
     resumed = Trainer(_run_config(hf_directory, tmp_path / "run", 4, tmp_path / "second"), log=lambda _: None)
-    assert resumed.model.origin is None  # until it resumes
+    assert resumed.model.origin.directory == tmp_path / "run" / "step_2" / "origin"
     resumed.run()
     assert resumed.model.origin.directory == tmp_path / "run" / "step_4" / "origin"
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["step_4"]

@@ -26,6 +26,7 @@ from blockzoo.conversion import (
     read_json,
 )
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
@@ -55,7 +56,8 @@ def build(
     source = run_config.model.pretrained
     if source is not None:
         run_config = with_pretrained_config(run_config, source)
-    model = LanguageModel(run_config.model, distributed or Distributed(run_config.distributed))
+    with uninitialized(source is not None):
+        model = LanguageModel(run_config.model, distributed or Distributed(run_config.distributed))
     model.run_config = run_config
     if source is not None:
         load_pretrained_weights(model, source)
@@ -78,7 +80,8 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     if distributed is None:
         data = merge(data, {"distributed": {"tensor_parallel": 1, "sequence_tensor_parallel": False}})
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
-    model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
+    with uninitialized():
+        model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
     load_checkpoint(directory, model=model, distributed=model.distributed)
     model.origin = read_origin(directory)
     return model
@@ -160,7 +163,8 @@ def load_pretrained_weights(model: LanguageModel, source: str | Path, distribute
 def _load_foreign(foreign: CheckpointFormat, path: Path, distributed: Distributed | None) -> LanguageModel:
     model_config = structure(foreign.read_model_config(path), ModelConfig, source=str(path), root="model")
     run_config = RunConfig(model=model_config)
-    model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
+    with uninitialized():
+        model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
     foreign.load_weights(path, model, model.distributed)
     model.origin = foreign.origin(path)
     return model

@@ -34,6 +34,7 @@ from blockzoo.conversion import get_format
 from blockzoo.data.dataset import build_dataset
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import IGNORE_INDEX, Batch
+from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.factory import convert, load_pretrained_weights, pretrained_origin, with_pretrained_config
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
@@ -70,7 +71,9 @@ class Trainer:
         if self.config.export_format is not None:  # refuse a model the format cannot hold before training it
             get_format(self.config.export_format).check_model_config(run_config.model)
         torch.manual_seed(run_config.distributed.seed)
-        self.model = LanguageModel(run_config.model, self.distributed)
+        last = latest_checkpoint(self.output_dir)
+        with uninitialized(pretrained is not None or last is not None):  # the checkpoint has every weight
+            self.model = LanguageModel(run_config.model, self.distributed)
         if pretrained is not None:
             load_pretrained_weights(self.model, pretrained, self.distributed)
             self.model.origin = pretrained_origin(pretrained)
@@ -84,6 +87,7 @@ class Trainer:
         self.data_position: Any = None
         self.history: list[StepRecord] = []
         self.evaluations: list[tuple[int, float]] = []
+        self._resume(last)
 
     def _resolve_pretrained(self, run_config: RunConfig) -> tuple[RunConfig, str | None]:
         """With `model.pretrained`: the run config with the checkpoint's model (updated with the model fields given),
@@ -106,7 +110,6 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------------
 
     def run(self) -> list[StepRecord]:
-        self._resume()
         trained = self.step < self.config.train_iters
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = _Throughput(self._peak_flops())
@@ -276,8 +279,7 @@ class Trainer:
         self.log(f"exported {destination} ({export_format})")
         return destination
 
-    def _resume(self) -> None:
-        last = latest_checkpoint(self.output_dir)
+    def _resume(self, last: Path | None) -> None:
         if last is None:
             return
         _, metadata = load_checkpoint(last, model=self.model, optimizer=self.optimizer, distributed=self.distributed)
