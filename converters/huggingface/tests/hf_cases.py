@@ -158,6 +158,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
         for name, parameter in model.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator) * 0.15
             parameter.copy_(1 + noise if "norm" in name else noise)
+        for name, buffer in model.named_buffers():  # a checkpoint's, zero when built (DeepSeek-V3's router)
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
 
 
 def transformers_model(class_name: str, config: dict, seed: int = 0) -> transformers.PreTrainedModel:

@@ -101,6 +101,34 @@ CASES = {
             "layer_norm_epsilon": 1e-4,
         },
     ),
+    # MoE layers: DeepSeek-V3's sigmoid router over groups of experts, ungated experts, wider shared experts.
+    "nemotron_h_moe": (
+        "nemotron_h",
+        "NemotronHConfig",
+        {
+            **_MAMBA_2,
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 12,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "ssm_state_size": 8,
+            "layer_norm_epsilon": 1e-4,
+            "mlp_hidden_act": "gelu",  # relu2
+            "n_routed_experts": 6,  # 8
+            "num_experts_per_tok": 3,  # 2
+            "moe_intermediate_size": 16,  # 7688
+            "moe_shared_expert_intermediate_size": 32,  # 7688: two experts wide
+            "n_group": 3,  # 1
+            "topk_group": 2,  # 1
+            "routed_scaling_factor": 2.5,  # 1.0
+            "norm_topk_prob": False,  # True
+        },
+    ),
 }
 
 

@@ -181,3 +181,46 @@ def test_two_plugins_registering_one_section(hf_directory):
             blockzoo.load(hf_directory)
     finally:
         reset_registry()
+
+
+# A block of each format, with a mixture of experts: Mixtral's (softmax) and NemotronH's (sigmoid, a layer of its own).
+_MOE_BLOCKS = {
+    "mixtral": {
+        "mixer": {"type": "attention", "heads": 2, "head_groups": 1, "head_size": 8, "rotary": {"type": "default"}},
+        "mlp": {"type": "moe", "experts": 4, "intermediate_size": 8},
+    },
+    "nemotron_h": {
+        "mixer": {"type": "none"},
+        "mlp": {
+            "type": "moe",
+            "experts": 4,
+            "intermediate_size": 8,
+            "shared_experts": 1,
+            "gated": False,
+            "routing": "sigmoid_top_k",
+            "score_correction_bias": True,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("format_name", "change", "message"),
+    [
+        ("mixtral", {"routing": "sigmoid_top_k"}, r"routing sigmoid_top_k cannot be written: this format's router"),
+        ("mixtral", {"routed_scale": 2.0}, r"`routed_scale` = 2.0 cannot be written: the format has only 1.0"),
+        (
+            "nemotron_h",
+            {"routing": "softmax_top_k", "score_correction_bias": False},
+            r"`routing` = 'softmax_top_k' cannot be written",
+        ),
+        ("nemotron_h", {"shared_experts": 0}, r"shared_experts = 0: NemotronH has shared experts in every MoE layer"),
+    ],
+)
+def test_exporting_a_router_the_format_does_not_have(tmp_path, format_name, change, message):
+    block = _MOE_BLOCKS[format_name]
+    block = {**block, "mlp": {**block["mlp"], **change}}
+    model = blockzoo.build({"model": {"hidden_size": 16, "decoder": {"block": block}}})
+    with pytest.raises(ConversionError, match=message):
+        blockzoo.save(model, tmp_path / "hf", format=format_name)
+    assert not (tmp_path / "hf").exists()

@@ -86,7 +86,8 @@ def _legacy(config: dict) -> dict:
         config["mamba_d_head"] = "auto"  # expand · hidden_size / heads
     if config["model_type"] == "nemotron_h":
         names = config.pop("layers_block_type")
-        pattern = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[name] for name in names)
+        characters = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+        pattern = "".join(characters[name] for name in names)
         config.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
         config.update(auto_map={"AutoConfig": "configuration_nemotron_h.NemotronHConfig"}, hidden_act="relu2")
         config.update(attention_head_dim=config["head_dim"], rms_norm_eps=1e-5)
@@ -200,11 +201,17 @@ def _export(format_name: str, data: dict) -> dict:
     return checkpoint_formats()[format_name].export_config(structure(data, ModelConfig))
 
 
-def test_a_nemotron_h_mixture_of_experts_is_refused(hf_directories, tmp_path):
-    layers = ["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]
-    edited = _edited(hf_directories["nemotron_h"][0], tmp_path, layers_block_type=layers)
-    with pytest.raises(ConversionError, match=r"layer 1 is a NemotronH mixture of experts .* sigmoid"):
-        blockzoo.load(edited)
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mlp_bias": True}, r"decoder.1.mlp: `mlp_bias` = true with MoE layers: NemotronH's shared experts then"),
+        ({"moe_latent_size": 8}, r"decoder.1.mlp: `moe_latent_size` = 8 is not supported \(only None\)"),
+        ({"moe_shared_expert_intermediate_size": 24}, r"must be a positive multiple of `moe_intermediate_size` \(16\)"),
+    ],
+)
+def test_nemotron_h_experts_blockzoo_cannot_express_are_refused(hf_directories, tmp_path, changes, message):
+    with pytest.raises(ConversionError, match=message):
+        blockzoo.load(_edited(hf_directories["nemotron_h_moe"][0], tmp_path, **changes))
 
 
 @pytest.mark.parametrize(

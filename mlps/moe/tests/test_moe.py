@@ -32,6 +32,16 @@ ROUTINGS = {
     "softmax, top-k, renormalized": {"routing": "softmax_top_k", "norm_topk_prob": True},
     "softmax, top-k": {"routing": "softmax_top_k", "norm_topk_prob": False},
     "top-k, softmax": {"routing": "top_k_softmax"},
+    "sigmoid, top-k, renormalized, scaled": {"routing": "sigmoid_top_k", "routed_scale": 2.5},
+    # Six experts in three groups, each token choosing from its two best: DeepSeek-V3's and NemotronH's router.
+    "sigmoid, top-k, groups, correction bias": {
+        "routing": "sigmoid_top_k",
+        "norm_topk_prob": False,
+        "experts": 6,
+        "routing_groups": 3,
+        "routing_groups_per_token": 2,
+        "score_correction_bias": True,
+    },
 }
 SHARED = {
     "none": {},
@@ -47,7 +57,15 @@ def make_config(**data) -> MoEMLPConfig:
 
 def build(config: MoEMLPConfig, seed: int = 1) -> MoEMLP:
     distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
-    return MoEMLP(config, name="block.mlp", hidden_dim=TensorDim("hidden", HIDDEN), distributed=distributed, lr_scale=1)
+    model = MoEMLP(
+        config, name="block.mlp", hidden_dim=TensorDim("hidden", HIDDEN), distributed=distributed, lr_scale=1
+    )
+    if model.score_correction_bias is not None:  # zero until a checkpoint sets it: as one would
+        with torch.no_grad():
+            model.score_correction_bias.copy_(
+                0.1 * torch.randn(config.experts, generator=torch.Generator().manual_seed(7))
+            )
+    return model
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,30 +97,41 @@ def reference_mlp(config, x, gate_up_weight, gate_up_bias, down_weight, down_bia
     return down_weight @ intermediate + (0 if down_bias is None else down_bias)
 
 
-def reference_routing(config, logits):
-    """(scores, experts) of one token, from its logits, as Mixtral / Qwen-MoE / Fast-LLM describe them."""
+def reference_routing(config, logits, correction_bias=None):
+    """(scores, experts) of one token, from its logits, as Mixtral / Qwen-MoE / Fast-LLM / DeepSeek-V3 describe
+    them."""
     if config.routing == "top_k_softmax":
         top_logits, experts = logits.topk(config.experts_per_token)
-        return torch.exp(top_logits) / torch.exp(top_logits).sum(), experts
-    probabilities = torch.exp(logits) / torch.exp(logits).sum()
-    scores, experts = probabilities.topk(config.experts_per_token)
-    return (scores / scores.sum() if config.norm_topk_prob else scores), experts
+        return config.routed_scale * torch.exp(top_logits) / torch.exp(top_logits).sum(), experts
+    if config.routing == "sigmoid_top_k":
+        probabilities = 1 / (1 + torch.exp(-logits))
+        choice = probabilities + (0 if correction_bias is None else correction_bias)
+        size = config.experts // config.routing_groups
+        group_scores = [sorted(choice[g * size : (g + 1) * size].tolist())[-2:] for g in range(config.routing_groups)]
+        groups = sorted(range(config.routing_groups), key=lambda g: sum(group_scores[g]))
+        allowed = [e for g in groups[-config.routing_groups_per_token :] for e in range(g * size, (g + 1) * size)]
+        experts = torch.tensor(sorted(allowed, key=lambda e: choice[e])[-config.experts_per_token :])
+    else:
+        probabilities = torch.exp(logits) / torch.exp(logits).sum()
+        experts = probabilities.topk(config.experts_per_token).indices
+    scores = probabilities[experts]
+    return config.routed_scale * (scores / scores.sum() if config.norm_topk_prob else scores), experts
 
 
 def reference_moe(model: MoEMLP, hidden: torch.Tensor):
     """The MoE token by token in float64 from the module's weights: (output, float64 leaves, experts per token)."""
     config = model.config
     leaves = {name: parameter.detach().double().requires_grad_() for name, parameter in model.named_parameters()}
-    parts = 2 if config.gated else 1
+    parts, experts = (2 if config.gated else 1), config.experts
     # The documented layouts: gate_up is [part, expert, intermediate, hidden]; down is [expert, intermediate, hidden].
-    gate_up = leaves["gate_up.weight"].view(parts, EXPERTS, -1, HIDDEN)
-    gate_up_bias = leaves["gate_up.bias"].view(parts, EXPERTS, -1) if "gate_up.bias" in leaves else None
-    down = leaves["down.weight"].view(EXPERTS, -1, HIDDEN)
-    down_bias = leaves["down.bias"].view(EXPERTS, HIDDEN) if "down.bias" in leaves else None
+    gate_up = leaves["gate_up.weight"].view(parts, experts, -1, HIDDEN)
+    gate_up_bias = leaves["gate_up.bias"].view(parts, experts, -1) if "gate_up.bias" in leaves else None
+    down = leaves["down.weight"].view(experts, -1, HIDDEN)
+    down_bias = leaves["down.bias"].view(experts, HIDDEN) if "down.bias" in leaves else None
     outputs, chosen = [], []
     for x in hidden.double():
         logits = leaves["router.weight"] @ x
-        scores, experts = reference_routing(config, logits)
+        scores, experts = reference_routing(config, logits, leaves.get("score_correction_bias"))
         chosen.append(sorted(experts.tolist()))
         output = 0
         for score, expert in zip(scores, experts.tolist()):
@@ -156,7 +185,8 @@ def test_matches_a_per_token_loop(routing, shared, gated, biases):
         {"shared_gate_up.bias", "shared_down.bias"} if shared != "none" else set()
     )
     expected_biases = (bias_names if biases else set()) | ({"shared_expert_gate.bias"} if "gated" in shared else set())
-    assert {name for name, _ in model.named_parameters() if name.endswith("bias")} == expected_biases
+    found = {name for name, _ in model.named_parameters() if name.endswith("bias")} - {"score_correction_bias"}
+    assert found == expected_biases
     hidden, output_weights = inputs()
     hidden.requires_grad_()
     batch = Batch(LENGTHS)
@@ -173,6 +203,9 @@ def test_matches_a_per_token_loop(routing, shared, gated, biases):
     torch.testing.assert_close(output.double(), reference_output.detach(), **tolerance)
     torch.testing.assert_close(hidden.grad.double(), reference_input.grad, **tolerance)
     for name, parameter in model.named_parameters():
+        if name == "score_correction_bias":  # frozen: it only chooses
+            assert parameter.grad is None and not parameter.requires_grad
+            continue
         torch.testing.assert_close(parameter.grad.double(), leaves[name].grad, **tolerance, msg=name)
 
 
@@ -187,6 +220,17 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient():
     assert all((down[expert] == 0).all() for expert in unused)
 
 
+def test_the_correction_bias_chooses_the_experts_but_does_not_weight_them():
+    config = make_config(**ROUTINGS["sigmoid, top-k, groups, correction bias"])
+    model, hidden = build(config), inputs()[0]
+    logits = model.router(hidden).float()
+    scores, selected = model.route(logits)
+    torch.testing.assert_close(scores, logits.sigmoid().gather(-1, selected))  # the bias does not weight
+    with torch.no_grad():
+        model.score_correction_bias.zero_()
+    assert model.route(logits)[1].sort().values.tolist() != selected.sort().values.tolist()  # but it chooses
+
+
 def test_top_k_softmax_equals_renormalized_softmax_top_k():
     hidden, _ = inputs()
     renormalized = build(make_config(**ROUTINGS["softmax, top-k, renormalized"]))(hidden, Batch(LENGTHS))
@@ -194,9 +238,10 @@ def test_top_k_softmax_equals_renormalized_softmax_top_k():
     torch.testing.assert_close(top_k_first, renormalized)
 
 
-def test_router_losses_match_their_formulas():
+@pytest.mark.parametrize("routing", ["softmax_top_k", "sigmoid_top_k"])
+def test_router_losses_match_their_formulas(routing):
     aux, z = 0.03, 0.2
-    model = build(make_config(auxiliary_loss_coefficient=aux, z_loss_coefficient=z))
+    model = build(make_config(auxiliary_loss_coefficient=aux, z_loss_coefficient=z, routing=routing))
     hidden, _ = inputs()
     batch = Batch(LENGTHS)
     model(hidden, batch)
@@ -204,7 +249,9 @@ def test_router_losses_match_their_formulas():
 
     router = model.router.weight.detach().double().requires_grad_()
     logits = hidden.double() @ router.t()
-    probabilities = torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+    # Each expert's share of a token: the softmax, or (DeepSeek-V3) the sigmoid scores normalized to sum to 1.
+    shares = torch.exp(logits) if routing == "softmax_top_k" else 1 / (1 + torch.exp(-logits))
+    probabilities = shares / shares.sum(-1, keepdim=True)
     # Switch / Mixtral: experts · Σ_e (share of the top-k routings that go to e) · (mean probability of e).
     expected_balance = 0
     for expert in range(EXPERTS):
@@ -280,6 +327,14 @@ FIELD_CHANGES = {
     "add_linear_biases": {"add_linear_biases": True},
     "routing": {"routing": "top_k_softmax", "norm_topk_prob": True},
     "norm_topk_prob": {"norm_topk_prob": True},
+    "routed_scale": {"routed_scale": 2.0},
+    # (what the base needs besides, the change): the fields of sigmoid routing, from a sigmoid-routed base.
+    "routing_groups": ({"routing": "sigmoid_top_k", "experts": 6}, {"routing_groups": 3}),
+    "routing_groups_per_token": (
+        {"routing": "sigmoid_top_k", "experts": 6, "routing_groups": 3},
+        {"routing_groups_per_token": 2},
+    ),
+    "score_correction_bias": ({"routing": "sigmoid_top_k"}, {"score_correction_bias": True}),
     "auxiliary_loss_coefficient": {"auxiliary_loss_coefficient": 0.5},
     "z_loss_coefficient": {"z_loss_coefficient": 0.5},
     "router_jitter": {"router_jitter": 0.2},
@@ -296,8 +351,10 @@ DISTRIBUTED_ONLY = {"expert_parallel"}
 )
 def test_every_field_changes_the_layer(field_name):
     assert field_name in FIELD_CHANGES, f"no test changes field {field_name!r}"
-    base = make_config(**BASE)
-    assert _signature(build(update(base, FIELD_CHANGES[field_name]))) != _signature(build(base))
+    needs, change = FIELD_CHANGES[field_name] if isinstance(FIELD_CHANGES[field_name], tuple) else ({}, None)
+    base = make_config(**BASE, **needs)
+    changed = update(base, change or FIELD_CHANGES[field_name])
+    assert _signature(build(changed)) != _signature(build(base))
 
 
 def test_components_keep_their_own_settings():
@@ -351,7 +408,22 @@ def test_flops_count_the_active_experts():
         ({"shared_expert_gate": {}}, "shared_expert_gate", "gates the shared experts, but shared_experts is 0"),
         ({"gated": False, "gate": {"lr_scale": 0.5}}, "gate", "only gated experts have a gate projection"),
         ({"routing": "top_k_softmax", "norm_topk_prob": False}, "norm_topk_prob", "always sums to 1"),
-        ({"routing": "sinkhorn"}, "routing", "expected one of 'softmax_top_k', 'top_k_softmax'"),
+        ({"routing": "sinkhorn"}, "routing", "expected one of 'softmax_top_k', 'top_k_softmax', 'sigmoid_top_k'"),
+        ({"routing_groups": 2}, "routing_groups", "needs routing sigmoid_top_k"),
+        ({"score_correction_bias": True}, "score_correction_bias", "needs routing sigmoid_top_k"),
+        ({"routing": "sigmoid_top_k", "routing_groups": 3}, "routing_groups", "must divide the experts (8), got 3"),
+        ({"routing": "sigmoid_top_k", "routing_groups": 8}, "routing_groups", "each needs at least 2 experts"),
+        (
+            {"routing": "sigmoid_top_k", "routing_groups": 2, "routing_groups_per_token": 3},
+            "routing_groups_per_token",
+            "must be <= routing_groups (2), got 3",
+        ),
+        (
+            {"routing": "sigmoid_top_k", "routing_groups": 4, "experts_per_token": 3},
+            "experts_per_token",
+            "must be <= the experts of the 1 groups a token chooses from",
+        ),
+        ({"routed_scale": 0}, "routed_scale", "must be > 0"),
         ({"router_jitter": 1.0}, "router_jitter", "must be < 1"),
         ({"auxiliary_loss_coefficient": -0.1}, "auxiliary_loss_coefficient", "must be >= 0"),
         ({"z_loss_coefficient": -0.1}, "z_loss_coefficient", "must be >= 0"),

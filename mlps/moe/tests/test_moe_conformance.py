@@ -14,6 +14,13 @@ class TestMoEConformance(MLPConformance):
         "meaning), and top_k_softmax refuses norm_topk_prob: false",
     }
 
+    # The fields of sigmoid routing need it (and groups of at least two experts).
+    field_changes = {
+        "routing_groups": {"routing": "sigmoid_top_k", "routing_groups": 2},
+        "routing_groups_per_token": {"routing": "sigmoid_top_k", "routing_groups": 2, "routing_groups_per_token": 2},
+        "score_correction_bias": {"routing": "sigmoid_top_k", "score_correction_bias": True},
+    }
+
     def config_factory(self):
         return {
             "type": "moe",
@@ -45,4 +52,26 @@ class TestMoEQwen2SectionConformance(ConverterSectionConformance):
             "shared_experts": 1,
             "shared_expert_gate": {},
             "norm_topk_prob": False,
+        }
+
+
+class TestMoENemotronHSectionConformance(ConverterSectionConformance):
+    # DeepSeek-V3's router (sigmoid, groups, correction bias, scale), ungated experts, wider shared experts.
+    kind, format_name = "mlp", "nemotron_h"
+
+    def config_factory(self):
+        return {
+            "type": "moe",
+            "experts": 6,
+            "experts_per_token": 3,
+            "intermediate_size": 8,
+            "shared_experts": 2,
+            "gated": False,
+            "activation": "squared_relu",
+            "routing": "sigmoid_top_k",
+            "norm_topk_prob": False,
+            "routed_scale": 2.5,
+            "routing_groups": 3,
+            "routing_groups_per_token": 2,
+            "score_correction_bias": True,
         }

@@ -47,6 +47,7 @@ LAYER_CONFIGS = {
         "shared_expert_gate": {},
     },
     "ungated, top-k then softmax": {**BASE, "gated": False, "routing": "top_k_softmax"},
+    "sigmoid over groups": {**BASE, "routing": "sigmoid_top_k", "routing_groups": 2, "score_correction_bias": True},
 }
 EXPERT_PARAMETERS = {"gate_up.weight", "gate_up.bias", "down.weight", "down.bias"}
 
@@ -106,6 +107,9 @@ def check_layer(distributed: Distributed) -> None:
         for parameter_name, expected in reference.named_parameters():
             parameter, meta = named[parameter_name], named[parameter_name].meta
             assert meta.data_parallel_sharded == (parameter_name in EXPERT_PARAMETERS), parameter_name
+            if not parameter.requires_grad:  # frozen: the score correction bias
+                assert torch.equal(parameter, expected) and parameter.grad is None, parameter_name
+                continue
             if meta.data_parallel_sharded:
                 assert parameter.shape[0] == expected.shape[0] // 2  # Each rank holds half of the experts.
                 weight = meta.local_to_global(parameter.detach(), None, distributed.data_group)

@@ -42,6 +42,14 @@ CONFIGS = {
         "norm_topk_prob": False,
         "shared_experts": 1,
     },
+    "sigmoid over groups, scaled, one shared expert": {
+        **BASE,
+        "routing": "sigmoid_top_k",
+        "routing_groups": 2,
+        "routed_scale": 2.0,
+        "score_correction_bias": True,
+        "shared_experts": 1,
+    },
 }
 
 

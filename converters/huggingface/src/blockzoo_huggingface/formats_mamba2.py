@@ -8,8 +8,8 @@ nemotron_h (NemotronHForCausalLM). Torch-free.
   others; `model.final_layernorm`.
 - `nemotron_h`: one mixer or one MLP per layer, one norm (`backbone.layers.N.{norm,mixer}`), the layers listed in
   `layers_block_type` (or transformers 4.x's `hybrid_override_pattern`: `M` Mamba 2, `*` attention, `-` MLP,
-  `E` MoE); the gated norm per group, attention without RoPE, MLPs without gate. Its MoE layers (a sigmoid router
-  with a score correction bias and a scaling factor) are refused: blockzoo's `moe` routes by softmax.
+  `E` MoE); the gated norm per group, attention without RoPE, MLPs without gate, MoE layers with the sigmoid router
+  of DeepSeek-V3 (groups, score correction bias, scaling factor; the moe plugin's `sigmoid_top_k`).
 
 The sections of the mixers and MLPs come from their plugins; the Mamba 2 inner size (`expand` · hidden size in
 transformers) is checked and written here, where the hidden size is known.
@@ -154,8 +154,9 @@ _NEMOTRON_PARTS = {
     "M": {"mixer": "mamba_2", "mlp": "none"},
     "*": {"mixer": "attention", "mlp": "none"},
     "-": {"mixer": "none", "mlp": "mlp"},
+    "E": {"mixer": "none", "mlp": "moe"},
 }
-# The keys of its MoE layers, which the layout refuses (`_refuse_moe`): ignored in a model without them.
+# The keys of its MoE layers (the moe plugin's section reads them).
 _NEMOTRON_MOE_KEYS = (
     "n_routed_experts",
     "n_shared_experts",
@@ -183,20 +184,11 @@ _NEMOTRON_OLD_KEYS = {
 }
 
 
-def _refuse_moe(index: int) -> ConversionError:
-    return ConversionError(
-        f"layer {index} is a NemotronH mixture of experts (`moe`, pattern `E`), which blockzoo's `moe` cannot "
-        "express: its router scores experts with a sigmoid plus `e_score_correction_bias`, scales the weights by "
-        "`routed_scaling_factor` and may limit the choice to groups (`n_group`, `topk_group`); blockzoo's routes by "
-        "softmax"
-    )
-
-
 @attrs.frozen(kw_only=True)
 class NemotronHLayers:
-    """NemotronH: one mixer (Mamba 2 `M`, attention `*`) or one MLP (`-`) per layer, from `layers_block_type` or the
-    `hybrid_override_pattern` string; MoE layers (`E`) are refused. Each layer's sections read transformers 5's
-    names (`_NEMOTRON_OLD_KEYS` renamed)."""
+    """NemotronH: one mixer (Mamba 2 `M`, attention `*`) or one MLP (`-`) or MoE (`E`) per layer, from
+    `layers_block_type` or the `hybrid_override_pattern` string. Each layer's sections read transformers 5's names
+    (`_NEMOTRON_OLD_KEYS` renamed)."""
 
     @property
     def claims(self) -> tuple[str, ...]:
@@ -227,9 +219,7 @@ class NemotronHLayers:
     def layers(self, config: Mapping[str, Any]) -> list[Layer]:
         config = {**config, **{new: config[old] for old, new in _NEMOTRON_OLD_KEYS.items() if old in config}}
         layers = []
-        for index, character in enumerate(self.pattern(config)):
-            if character == "E":
-                raise _refuse_moe(index)
+        for character in self.pattern(config):
             layers.append(Layer(_NEMOTRON_PARTS[character], config))
         return layers
 
@@ -386,7 +376,10 @@ MAMBA2_FORMATS = (
                     Ignored(theirs=("num_logits_to_keep",), reason="a generation option"),
                     # transformers 5.24 writes it (its MoE layers' output option), whatever the layers are.
                     Ignored(theirs=("output_router_logits",), reason="an output option of transformers"),
-                    Ignored(theirs=_NEMOTRON_MOE_KEYS, reason="the keys of MoE layers (`E`), which are refused"),
+                    Ignored(
+                        theirs=(*_NEMOTRON_MOE_KEYS, "intermediate_size", "mlp_bias", "mlp_hidden_act"),
+                        reason="the keys of the MoE (`E`) and MLP (`-`) layers, in a model without them",
+                    ),
                     *_NEMOTRON_REMOTE_CODE_KEYS,
                 ),
                 prefix="backbone",

@@ -17,9 +17,10 @@ from blockzoo.api import (
     configclass,
     default_activation,
     field,
+    greater_than,
 )
 
-Routing = Literal["softmax_top_k", "top_k_softmax"]
+Routing = Literal["softmax_top_k", "top_k_softmax", "sigmoid_top_k"]
 
 # Experts split between the data-parallel ranks, tokens exchanged with all-to-all (`expert_parallel: true`).
 EXPERT_PARALLEL = "expert_parallel"
@@ -71,11 +72,33 @@ class MoEMLPConfig(MLPConfig):
         "softmax_top_k",
         doc="softmax_top_k: softmax over all experts, then the top k (Mixtral, Qwen-MoE). top_k_softmax: the top k "
         "logits, then a softmax over them (always sums to 1; equal to softmax_top_k with norm_topk_prob up to "
-        "rounding).",
+        "rounding). sigmoid_top_k: a sigmoid of each logit, the top k (DeepSeek-V3, NemotronH).",
     )
     norm_topk_prob: bool = field(
         True,
-        doc="softmax_top_k only: rescale the selected probabilities to sum to 1 (Mixtral: true; Qwen-MoE: false).",
+        doc="softmax_top_k and sigmoid_top_k: rescale the selected scores to sum to 1 (Mixtral: true; Qwen-MoE: "
+        "false).",
+    )
+    routed_scale: float = field(
+        1.0,
+        doc="Multiplies the selected experts' scores (DeepSeek-V3's and NemotronH's routed_scaling_factor).",
+        validator=greater_than(0),
+    )
+    routing_groups: int = field(
+        1,
+        doc="sigmoid_top_k only: the experts form this many groups of consecutive experts, and a token chooses among "
+        "the experts of its `routing_groups_per_token` best groups, a group scored by the sum of its two highest "
+        "scores (DeepSeek-V3's n_group).",
+        validator=at_least(1),
+    )
+    routing_groups_per_token: int = field(
+        1, doc="sigmoid_top_k only: how many groups a token chooses from (topk_group).", validator=at_least(1)
+    )
+    score_correction_bias: bool = field(
+        False,
+        doc="sigmoid_top_k only: a per-expert bias added to the scores to choose the experts, not to weight them "
+        "(DeepSeek-V3's e_score_correction_bias). A frozen parameter, zero or from a checkpoint: its auxiliary-loss-"
+        "free update is not implemented.",
     )
     auxiliary_loss_coefficient: float = field(
         0.01,
@@ -121,9 +144,32 @@ class MoEMLPConfig(MLPConfig):
             "gates the shared experts, but shared_experts is 0",
         )
         check(
-            self.routing == "softmax_top_k" or self.norm_topk_prob,
+            self.routing != "top_k_softmax" or self.norm_topk_prob,
             "norm_topk_prob",
             "routing top_k_softmax always sums to 1 over the selected experts; use routing softmax_top_k",
+        )
+        sigmoid = self.routing == "sigmoid_top_k"
+        for name in ("routing_groups", "routing_groups_per_token", "score_correction_bias"):
+            check(sigmoid or getattr(self, name) == _DEFAULTS[name], name, "needs routing sigmoid_top_k")
+        check(
+            self.experts % self.routing_groups == 0,
+            "routing_groups",
+            f"must divide the experts ({self.experts}), got {self.routing_groups}",
+        )
+        check(
+            self.routing_groups == 1 or self.experts // self.routing_groups >= 2,
+            "routing_groups",
+            "a group is scored by its two highest scores: each needs at least 2 experts",
+        )
+        check(
+            self.routing_groups_per_token <= self.routing_groups,
+            "routing_groups_per_token",
+            f"must be <= routing_groups ({self.routing_groups}), got {self.routing_groups_per_token}",
+        )
+        check(
+            self.experts_per_token <= self.routing_groups_per_token * self.experts // self.routing_groups,
+            "experts_per_token",
+            f"must be <= the experts of the {self.routing_groups_per_token} groups a token chooses from",
         )
         check(
             self.router_jitter < 1,
@@ -137,6 +183,10 @@ class MoEMLPConfig(MLPConfig):
                 f"gate and up are one fused weight: both have a bias or neither (gate bias: {self.has_bias(self.gate)},"
                 f" up bias: {self.has_bias(self.up)})",
             )
+
+    @property
+    def group_size(self) -> int:
+        return self.experts // self.routing_groups
 
     def check_expert_parallel(self, data_parallel: int, tensor_parallel: int) -> None:
         """Raise if the experts cannot be split between `data_parallel` ranks (with `expert_parallel`)."""
@@ -163,3 +213,6 @@ class MoEMLPConfig(MLPConfig):
 
     def has_bias(self, linear: LinearConfig) -> bool:
         return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+
+
+_DEFAULTS = {"routing_groups": 1, "routing_groups_per_token": 1, "score_correction_bias": False}

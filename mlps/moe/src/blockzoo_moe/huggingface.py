@@ -17,6 +17,7 @@ from blockzoo.api import (
     ConfigMapping,
     Constant,
     ConversionError,
+    Fixed,
     Ignored,
     Rename,
     Section,
@@ -60,6 +61,20 @@ def _normalized(config: MoEMLPConfig) -> bool:
     return config.routing == "top_k_softmax" or config.norm_topk_prob
 
 
+def _check_softmax(config: MoEMLPConfig) -> None:
+    if config.routing == "sigmoid_top_k":
+        raise ConversionError("routing sigmoid_top_k cannot be written: this format's router is a softmax")
+
+
+# The router of the softmax formats: no group-limited choice, no correction bias, no scaling.
+SOFTMAX_ROUTER = (
+    Constant("routed_scale", 1.0),
+    Constant("routing_groups", 1),
+    Constant("routing_groups_per_token", 1),
+    Constant("score_correction_bias", False),
+)
+
+
 def routing(theirs: str | None) -> ConfigMapping:
     """softmax over all experts, top k, renormalized if `theirs` (default false) or always (`theirs` None)."""
 
@@ -67,6 +82,7 @@ def routing(theirs: str | None) -> ConfigMapping:
         return {"routing": "softmax_top_k", "norm_topk_prob": bool(data.get(theirs, False)) if theirs else True}
 
     def export(config: MoEMLPConfig) -> dict[str, Any]:
+        _check_softmax(config)
         if theirs is None and not _normalized(config):
             raise ConversionError("routing without renormalization cannot be written: this format always renormalizes")
         return {theirs: _normalized(config)} if theirs else {}
@@ -116,6 +132,7 @@ MIXTRAL = Section(
         transformers_activation("hidden_act"),
         NO_BIASES,
         routing(None),
+        *SOFTMAX_ROUTER,
         Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
         # transformers also jitters the experts' input, blockzoo only the router's: training only either way.
         Rename("router_jitter", "router_jitter_noise", default=0.0),
@@ -189,6 +206,7 @@ def _qwen_section(*, shared: bool, experts_key: str) -> Section:
             transformers_activation("hidden_act"),
             NO_BIASES,
             routing("norm_topk_prob"),
+            *SOFTMAX_ROUTER,
             Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
             Ignored(ours=("router_jitter",), theirs=("output_router_logits",), reason="training and output options"),
             TRAINING_ONLY,
@@ -208,6 +226,7 @@ def _import_qwen_experts(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _export_unnormalized(config: MoEMLPConfig) -> dict[str, Any]:
+    _check_softmax(config)
     if _normalized(config):
         raise ConversionError("renormalized routing cannot be written: Jamba never renormalizes the top-k scores")
     return {}
@@ -232,11 +251,91 @@ JAMBA = Section(
             import_=lambda data: {"routing": "softmax_top_k", "norm_topk_prob": False},
             export=_export_unnormalized,
         ),
+        *SOFTMAX_ROUTER,
         Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
         Ignored(ours=("router_jitter",), theirs=("output_router_logits",), reason="training and output options"),
         TRAINING_ONLY,
     ),
     weights=_weights({**_QWEN_NAMES, "router": "router.weight"}),
+)
+
+
+def _import_nemotron_shared(data: Mapping[str, Any]) -> dict[str, Any]:
+    width, expert = data.get("moe_shared_expert_intermediate_size", 7688), data.get("moe_intermediate_size", 7688)
+    if width <= 0 or width % expert:
+        raise ConversionError(
+            f"`moe_shared_expert_intermediate_size` = {width} must be a positive multiple of `moe_intermediate_size` "
+            f"({expert}): blockzoo's shared experts are experts of the same width"
+        )
+    return {"shared_experts": width // expert}
+
+
+def _export_nemotron_shared(config: MoEMLPConfig) -> dict[str, Any]:
+    if not config.shared_experts:
+        raise ConversionError("shared_experts = 0: NemotronH has shared experts in every MoE layer")
+    return {"moe_shared_expert_intermediate_size": config.shared_experts * config.intermediate_size}
+
+
+def _import_nemotron_biases(data: Mapping[str, Any]) -> dict[str, Any]:
+    if data.get("mlp_bias", False):
+        raise ConversionError(
+            "`mlp_bias` = true with MoE layers: NemotronH's shared experts then have biases and its routed experts "
+            "none, which blockzoo's moe cannot express (both or neither)"
+        )
+    return {}
+
+
+def _export_nemotron_biases(config: MoEMLPConfig) -> dict[str, Any]:
+    _check_no_biases(config)
+    return {"mlp_bias": False}
+
+
+# NemotronH's MoE layers (`E`): ungated experts, shared experts of their own width, a sigmoid router choosing among
+# its best groups with a correction bias (DeepSeek-V3's). `layers.N.mixer.{gate,experts.E,shared_experts}`.
+NEMOTRON_H = Section(
+    config_class=MoEMLPConfig,
+    name="mixer",
+    config=(
+        # The defaults: transformers' NemotronHConfig.
+        Rename("experts", "n_routed_experts", default=8),
+        Rename("experts_per_token", "num_experts_per_tok", default=2),
+        Rename("intermediate_size", "moe_intermediate_size", default=7688),
+        Computed(
+            ("shared_experts",),
+            ("moe_shared_expert_intermediate_size",),
+            import_=_import_nemotron_shared,
+            export=_export_nemotron_shared,
+        ),
+        Constant("shared_expert_gate", None),
+        Constant("gated", False),
+        transformers_activation("mlp_hidden_act"),
+        Computed(NO_BIASES.ours, ("mlp_bias",), import_=_import_nemotron_biases, export=_export_nemotron_biases),
+        Constant("routing", "sigmoid_top_k"),
+        Rename("norm_topk_prob", "norm_topk_prob", default=True),
+        Rename("routed_scale", "routed_scaling_factor", default=1.0),
+        Rename("routing_groups", "n_group", default=1),
+        Rename("routing_groups_per_token", "topk_group", default=1),
+        Constant("score_correction_bias", True),
+        Fixed("moe_latent_size", None),
+        Ignored(
+            theirs=("n_shared_experts", "moe_shared_expert_overlap"),
+            reason="unread by transformers (the shared width is moe_shared_expert_intermediate_size) and a "
+            "scheduling option",
+        ),
+        Ignored(
+            ours=("auxiliary_loss_coefficient", "router_jitter"),
+            reason="training settings; NemotronH stores none (its correction bias balances the experts)",
+        ),
+        TRAINING_ONLY,
+    ),
+    weights=lambda config: [
+        Weight("router.weight", "gate.weight"),
+        Weight("score_correction_bias", "gate.e_score_correction_bias"),
+        Concatenated("gate_up.weight", _experts("experts.{}.up_proj.weight", config.experts)),
+        Concatenated("down.weight", _experts("experts.{}.down_proj.weight", config.experts), transposed=True),
+        Weight("shared_gate_up.weight", "shared_experts.up_proj.weight"),
+        Weight("shared_down.weight", "shared_experts.down_proj.weight"),
+    ],
 )
 
 
@@ -247,3 +346,4 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
     # `num_experts`: read by transformers 4.x and (through its attribute map) 5.x.
     register("qwen3_moe", _qwen_section(shared=False, experts_key="num_experts"))
     register("jamba", JAMBA)
+    register("nemotron_h", NEMOTRON_H)

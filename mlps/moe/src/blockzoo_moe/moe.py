@@ -30,6 +30,7 @@ from torch import nn
 from blockzoo.api import (
     ACTIVATIONS,
     MLP,
+    ZEROS,
     Batch,
     CompositeTensorDim,
     ConcatenatedTensorDim,
@@ -37,6 +38,7 @@ from blockzoo.api import (
     Distributed,
     Linear,
     NormalInitializationConfig,
+    ParameterConfig,
     TensorDim,
     UsageError,
     copy_to_tensor_region,
@@ -122,6 +124,12 @@ class MoEMLP(MLP):
         experts = TensorDim("experts", config.experts)
         linear_options = {"default_initialization": initialization, "lr_scale": lr_scale}
         self.router = Linear(f"{name}.router", config.router, hidden_dim, experts, distributed, **linear_options)
+        self.score_correction_bias = None
+        if config.score_correction_bias:  # frozen: only a checkpoint sets it
+            frozen = ParameterConfig().resolve(initialization=ZEROS, lr_scale=0.0, weight_decay=False)
+            self.score_correction_bias = create_parameter(
+                f"{name}.score_correction_bias", (experts,), frozen, distributed
+            )
 
         # Expert weights, rows expert-major: gate_up is [gate of every expert ‖ up of every expert] x hidden, each
         # part split over the intermediate dim; down is stored transposed, (expert, intermediate) x hidden.
@@ -215,14 +223,43 @@ class MoEMLP(MLP):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, experts), each [tokens, experts_per_token], from the router's float32 logits."""
-        top_k = self.config.experts_per_token
-        if self.config.routing == "top_k_softmax":
+        config = self.config
+        top_k = config.experts_per_token
+        if config.routing == "top_k_softmax":
             top_logits, selected = logits.topk(top_k, dim=-1)
-            return top_logits.softmax(dim=-1), selected
-        scores, selected = logits.softmax(dim=-1).topk(top_k, dim=-1)
-        if self.config.norm_topk_prob:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
-        return scores, selected
+            return top_logits.softmax(dim=-1) * config.routed_scale, selected
+        if config.routing == "sigmoid_top_k":
+            all_scores = logits.sigmoid()
+            selected = self._choice(all_scores).topk(top_k, dim=-1).indices
+            scores = all_scores.gather(-1, selected)
+            if config.norm_topk_prob:  # the epsilon guards all-zero scores, as DeepSeek's and transformers' do
+                scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores, selected = logits.softmax(dim=-1).topk(top_k, dim=-1)
+            if config.norm_topk_prob:
+                scores = scores / scores.sum(dim=-1, keepdim=True)
+        return scores * config.routed_scale, selected
+
+    def _choice(self, scores: torch.Tensor) -> torch.Tensor:
+        """What sigmoid routing chooses the experts by: the scores plus the correction bias, -inf outside the
+        groups each token chooses from."""
+        config = self.config
+        if self.score_correction_bias is not None:
+            scores = scores + self.score_correction_bias.float()
+        if config.routing_groups == 1:
+            return scores
+        grouped = scores.unflatten(-1, (config.routing_groups, config.group_size))
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(config.routing_groups_per_token, dim=-1).indices
+        allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, best, True)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).flatten(-2)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each expert's share of a token, [tokens, experts], for the load-balancing loss: the softmax, or the
+        sigmoid scores normalized to sum to 1 (DeepSeek-V3's balance loss)."""
+        if self.config.routing != "sigmoid_top_k":
+            return logits.softmax(dim=-1)
+        scores = logits.sigmoid()
+        return scores / scores.sum(dim=-1, keepdim=True)
 
     def _jittered(self, hidden: torch.Tensor) -> torch.Tensor:
         jitter = self.config.router_jitter
@@ -238,7 +275,7 @@ class MoEMLP(MLP):
         if config.auxiliary_loss_coefficient:
             # Fraction of the routings that go to each expert (not differentiable) · mean probability of each expert.
             routed_fraction = F.one_hot(selected, config.experts).sum(dim=1).float().mean(dim=0)
-            mean_probability = logits.softmax(dim=-1).mean(dim=0)
+            mean_probability = self.probabilities(logits).mean(dim=0)
             balance = config.experts * (routed_fraction * mean_probability).sum()
             batch.add_loss(f"{self.name}.load_balancing", config.auxiliary_loss_coefficient * balance)
         if config.z_loss_coefficient:
