@@ -3,6 +3,8 @@ to one at the end."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hf_cases import hf_logits, hf_model, load_hf, our_logits
@@ -125,3 +127,15 @@ def test_an_export_format_is_checked_when_the_config_is_read(hf_directory, tmp_p
 def test_a_model_the_export_format_cannot_hold_is_refused_before_training(hf_directory, tmp_path):
     with pytest.raises(ConversionError, match="`window_size` = 7 cannot be written: the format has only None"):
         Trainer(_run_config(hf_directory[0], tmp_path / "run", export_format="llama"), log=lambda _: None)
+
+
+def test_blockzoo_plugins_lists_the_formats_and_who_contributes_sections(capsys):
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    huggingface = text[text.index("\nhuggingface  [loaded]") :].split("\n\n")[0]
+    assert "  formats: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, mamba, jamba" in huggingface
+    moe = text[text.index("\nmoe  [loaded]") :].split("\n\n")[0]
+    assert "  sections for: jamba, mixtral, nemotron_h, qwen2_moe, qwen3_moe" in moe
+    assert main(["plugins", "--json"]) == 0
+    plugins = {plugin["name"]: plugin for plugin in json.loads(capsys.readouterr().out)["plugins"]}
+    assert "nemotron_h" in plugins["huggingface"]["formats"] and "formats" not in plugins["moe"]

@@ -192,7 +192,7 @@ def _plugins(arguments: argparse.Namespace) -> int:
             "blockzoo": __version__,
             "plugin_api": f"{PLUGIN_API[0]}.{PLUGIN_API[1]}",
             "plugins": [
-                record.to_dict() | ({"check": checks[name]} if name in checks else {})
+                record.to_dict() | _conversions(registry, record) | ({"check": checks[name]} if name in checks else {})
                 for name, record in registry.plugins.items()
             ],
             "problems": problems,
@@ -201,7 +201,7 @@ def _plugins(arguments: argparse.Namespace) -> int:
     else:
         print(f"blockzoo {__version__}, plugin API {PLUGIN_API[0]}.{PLUGIN_API[1]}")
         for name, record in registry.plugins.items():
-            _print_record(record, checks.get(name))
+            _print_record(record, _conversions(registry, record), checks.get(name))
     failed_checks = any(checks.values())
     if problems and strict_mode():
         print("blockzoo: error: plugins did not load and BLOCKZOO_STRICT_PLUGINS is set", file=sys.stderr)
@@ -209,7 +209,19 @@ def _plugins(arguments: argparse.Namespace) -> int:
     return 1 if failed_checks else 0
 
 
-def _print_record(record: PluginRecord, check: list[str] | None) -> None:
+def _conversions(registry: Registry, record: PluginRecord) -> dict[str, list[str]]:
+    """The checkpoint formats the plugin provides, and those it contributes sections to (for its own types)."""
+    from blockzoo.conversion import CheckpointFormat
+
+    entries = [entry for entry in registry.converters if entry.plugin is record]
+    kinds = {
+        "formats": [entry.format for entry in entries if isinstance(entry.section, CheckpointFormat)],
+        "sections_for": sorted({entry.format for entry in entries if not isinstance(entry.section, CheckpointFormat)}),
+    }
+    return {kind: names for kind, names in kinds.items() if names}
+
+
+def _print_record(record: PluginRecord, conversions: dict[str, list[str]], check: list[str] | None) -> None:
     version = f"{record.distribution} {record.version}" if record.distribution else "(not installed)"
     print(f"\n{record.name}  [{record.status}]  {version}")
     if record.location:
@@ -222,6 +234,8 @@ def _print_record(record: PluginRecord, check: list[str] | None) -> None:
             print(f"  capabilities: {', '.join(record.info.capabilities)}")
     for kind, names in record.types.items():
         print(f"  {kind}: {', '.join(names)}")
+    for kind, names in conversions.items():
+        print(f"  {kind.replace('_', ' ')}: {', '.join(names)}")
     for conflict in record.conflicts:
         print(f"  conflict: {conflict} is also registered by another plugin")
     if check is not None:
