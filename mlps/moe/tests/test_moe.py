@@ -547,3 +547,12 @@ def test_gpu_bf16_layer_matches_the_cpu_layer():
     clear = ranked[:, TOP_K - 1] - ranked[:, TOP_K] > 0.5
     assert clear.sum() > 24
     torch.testing.assert_close(output.float().cpu()[clear], expected.detach()[clear], atol=5e-2, rtol=5e-2)
+
+
+def test_the_router_runs_in_float32_whatever_the_compute_dtype():
+    model = build(make_config(routing="sigmoid_top_k"))
+    seen = []
+    model.router.register_forward_hook(lambda module, args, output: seen.append((args[0].dtype, output.dtype)))
+    hidden = inputs()[0].to(torch.bfloat16)
+    output = model(hidden, Batch(LENGTHS))
+    assert seen == [(torch.float32, torch.float32)] and output.dtype == torch.bfloat16

@@ -213,7 +213,8 @@ class MoEMLP(MLP):
         self._jitter_generator: torch.Generator | None = None
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
-        logits = self.router(self._jittered(hidden)).float()
+        # The router in float32 whatever the compute dtype: close scores choose differently in bf16.
+        logits = self.router(self._jittered(hidden).float())
         scores, selected = self.route(logits)
         self._add_losses(logits, selected, batch)
         output = self._routed_experts(hidden, scores.to(hidden.dtype), selected)
