@@ -148,9 +148,10 @@ class MoEMLPConfig(MLPConfig):
             "norm_topk_prob",
             "routing top_k_softmax always sums to 1 over the selected experts; use routing softmax_top_k",
         )
-        sigmoid = self.routing == "sigmoid_top_k"
+        defaults = attrs.fields_dict(type(self))
         for name in ("routing_groups", "routing_groups_per_token", "score_correction_bias"):
-            check(sigmoid or getattr(self, name) == _DEFAULTS[name], name, "needs routing sigmoid_top_k")
+            unchanged = getattr(self, name) == defaults[name].default
+            check(unchanged or self.routing == "sigmoid_top_k", name, "needs routing sigmoid_top_k")
         check(
             self.experts % self.routing_groups == 0,
             "routing_groups",
@@ -213,6 +214,3 @@ class MoEMLPConfig(MLPConfig):
 
     def has_bias(self, linear: LinearConfig) -> bool:
         return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
-
-
-_DEFAULTS = {"routing_groups": 1, "routing_groups_per_token": 1, "score_correction_bias": False}
