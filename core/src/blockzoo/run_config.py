@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from blockzoo.config import Config, ConfigFieldError, configclass, field, structure
+from blockzoo.config import Config, ConfigFieldError, check, configclass, field, structure
 from blockzoo.data.config import DatasetConfig
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.layers.config import (
@@ -30,6 +30,13 @@ class RunConfig(Config):
     training: TrainingConfig = field(factory=TrainingConfig, doc="Optimizer, schedule, loop, checkpoints.")
 
     def __attrs_post_init__(self) -> None:
+        names = {name for name, _ in self.model.decoder.expanded_blocks()}
+        for name in self.training.recompute_blocks:
+            check(
+                name in names,
+                f"training.recompute_blocks.{name}",
+                f"the model has no block named {name!r} (its blocks: {', '.join(sorted(names))})",
+            )
         # Refuse a layout a layer cannot run before anything is built.
         needed = {
             TENSOR_PARALLEL: (self.distributed.tensor_parallel > 1, "distributed.tensor_parallel"),

@@ -56,6 +56,9 @@ class EvaluationConfig(Config):
     iters: int = field(10, doc="Micro-batches of the validation split per evaluation.", validator=at_least(1))
 
 
+Recompute = Literal["none", "selective", "full"]
+
+
 @configclass
 class TrainingConfig(Config):
     train_iters: int = field(1000, doc="Optimizer steps of the whole run.", validator=at_least(1))
@@ -74,6 +77,21 @@ class TrainingConfig(Config):
         None, doc="Save every this many steps (and at the end); None: only at the end.", validator=at_least(1)
     )
     checkpoint_keep: int = field(3, doc="How many of the latest checkpoints to keep.", validator=at_least(1))
+    compile: Literal["none", "blocks"] = field(
+        "none",
+        doc="`blocks`: torch.compile each block's training forward (and its backward), fusing its elementwise work; "
+        "blocks of one configuration share one compilation. Evaluation and generation run eagerly.",
+    )
+    recompute: Recompute = field(
+        "none",
+        doc="Activation recomputation of every block: `none` keeps what the backward pass needs; `selective` keeps "
+        "the outputs of matrix products, attention and collectives and recomputes the rest (norms, activations, "
+        "rotary); `full` keeps only each block's input and recomputes the whole block.",
+    )
+    recompute_blocks: dict[str, Recompute] = field(
+        factory=dict,
+        doc="Per named block (a `pattern`'s block names; `block` for a `fixed` sequence), overriding `recompute`.",
+    )
     peak_tflops: float | None = field(
         None,
         doc="The device's peak for MFU; None: known GPUs (H100/H200: 989), else MFU is not reported.",

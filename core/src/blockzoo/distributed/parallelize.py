@@ -1,0 +1,122 @@
+"""What the run config asks of a built model beyond its layers, applied from outside it (as torchtitan's
+`parallelize`): activation recomputation, then torch.compile of each block.
+
+The model's code knows none of it: each policy replaces a block's `forward` on the instance, so parameter names,
+checkpoints and the module tree stay those of the plain model.
+
+- Recomputation (`training.recompute`, per named block `training.recompute_blocks`), with torch's non-reentrant
+  `torch.utils.checkpoint`: `full` keeps only the block's input; `selective` keeps the outputs of the operations
+  that are expensive to redo (matrix products, attention, collectives: `SAVED_OPERATIONS`) and recomputes the rest.
+  A layer that adds a named loss (`Batch.add_loss`) adds it once: the recomputation's additions are dropped.
+- Compilation (`training.compile: blocks`): each block's training forward goes through `torch.compile` (the
+  backward is compiled with it). Blocks of one configuration share the compiled code. Only calls that build a
+  graph (training) take it; evaluation, `no_grad` calls and generation run eagerly, so they never trigger a
+  compilation of their own shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from blockzoo.layers.base import Batch
+from blockzoo.run_config import RunConfig
+
+
+def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
+    """Apply the run's recomputation and compilation policies to `model` (a `LanguageModel`), in place."""
+    training = run_config.training
+    for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
+        policy = training.recompute_blocks.get(name, training.recompute)
+        if policy != "none":
+            block.forward = recomputed(block.forward, selective=policy == "selective")
+        if training.compile == "blocks":
+            block.forward = compiled(block.forward)
+    return model
+
+
+# -- recomputation -----------------------------------------------------------------------------------------------------
+
+
+def _operations(*names: str) -> frozenset:
+    """The torch operations (`namespace.op.overload`) of `names` that this torch has."""
+    found = set()
+    for name in names:
+        namespace, operation, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), operation, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+# What `selective` keeps: each costs a matrix product (or a communication) to redo, while what is recomputed
+# (normalizations, activations, rotary, casts) costs a pass over memory.
+SAVED_OPERATIONS = _operations(
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._grouped_mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+    "torch_attn._varlen_attn.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_reduce.default",
+)
+
+
+def _selective_policy(context: Any, operation: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if operation in SAVED_OPERATIONS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recomputed(forward: Callable, *, selective: bool) -> Callable:
+    """`forward(hidden, batch, state=None)` whose activations are recomputed in the backward pass."""
+    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
+
+    @functools.wraps(forward)
+    def run(hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
+        if state is not None or not torch.is_grad_enabled():  # generation and evaluation keep nothing anyway
+            return forward(hidden, batch, state)
+        passes = 0
+
+        def block(hidden: torch.Tensor) -> torch.Tensor:
+            nonlocal passes
+            passes += 1
+            if passes == 1:
+                return forward(hidden, batch, state)
+            kept, batch.losses = batch.losses, {}  # the first pass added the named losses already
+            try:
+                return forward(hidden, batch, state)
+            finally:
+                batch.losses = kept
+
+        options = {} if context is None else {"context_fn": context}
+        return checkpoint(block, hidden, use_reentrant=False, **options)
+
+    return run
+
+
+# -- compilation -------------------------------------------------------------------------------------------------------
+
+
+def compiled(forward: Callable) -> Callable:
+    """`forward(hidden, batch, state=None)` through torch.compile when it builds a graph (training)."""
+    # Recompilations (a new document layout's maximum length, ...) must not silently fall back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    compiled_forward = torch.compile(forward)
+
+    @functools.wraps(forward)
+    def run(hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
+        if state is not None or not torch.is_grad_enabled():
+            return forward(hidden, batch, state)
+        return compiled_forward(hidden, batch, state)
+
+    return run
