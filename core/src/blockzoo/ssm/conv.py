@@ -1,13 +1,24 @@
-"""Depthwise causal convolution over packed documents (Mamba's conv1d), restarting at every document."""
+"""Depthwise causal convolution over packed documents (Mamba's conv1d), restarting at every document.
+
+On CUDA without a generation state it runs the project's Triton kernels (`blockzoo.ssm.triton_conv`, imported only
+then); otherwise the torch path here, which is also their reference.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from blockzoo.layers.base import Batch
+from blockzoo.ssm.scan import positions_in_batch
 
 ACTIVATIONS = (None, "silu")
+# What the Triton kernels take: channels a multiple of 8 (16-byte aligned rows), up to 8 taps, these dtypes.
+KERNEL_MAX_TAPS = 8
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def causal_conv1d(
@@ -25,9 +36,14 @@ def causal_conv1d(
     bias: [channels] or None; activation: None or "silu". With `state` ([sequences, channels, kernel_size - 1],
     generation), taps before this batch's first token of a sequence read that sequence's stored inputs, and the
     state is overwritten in place with each sequence's last kernel_size - 1 inputs. Accumulated in fp32 (float64 for
-    float64 inputs); the output has the dtype of `x`.
+    float64 inputs); the output has the dtype of `x`. `x` may be a slice of a wider tensor (in_proj's output): the
+    Triton kernels read it in place.
     """
     _check(x, weight, bias, batch, activation, state)
+    if uses_triton_kernel(x, weight, state):
+        from blockzoo.ssm.triton_conv import causal_conv1d_triton
+
+        return causal_conv1d_triton(x, weight, bias, _int32_positions(batch), activation=activation)
     kernel_size = weight.shape[1]
     # cuDNN's depthwise conv accumulates in fp32 whatever the dtype; the CPU's accumulates in the dtype, so fp32.
     compute_dtype = x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
@@ -48,6 +64,40 @@ def causal_conv1d(
     if activation == "silu":
         output = F.silu(output)
     return output.to(x.dtype)
+
+
+def uses_triton_kernel(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> bool:
+    """Whether `causal_conv1d` takes the Triton kernels: CUDA, no state, triton installed, channels a multiple of 8,
+    at most KERNEL_MAX_TAPS taps, x in fp32, bf16 or fp16."""
+    supported = x.shape[1] % 8 == 0 and weight.shape[1] <= KERNEL_MAX_TAPS and x.dtype in KERNEL_DTYPES
+    return state is None and x.is_cuda and supported and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _int32_positions(batch: Batch) -> torch.Tensor:
+    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch", "int32"), lambda: positions_in_batch(batch).int())
+
+
+def shifted_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: Batch, *, activation: str | None = None
+) -> torch.Tensor:
+    """`causal_conv1d` without a state as the Triton kernels compute it, in torch ops: K shifted multiply-adds in
+    fp32, each tap masked where it would reach before its token's document. Not used by `causal_conv1d`: it is what
+    `torch.compile` is measured on against the kernels (core/tests/test_triton_conv.py, the Mamba 2 layer benchmark).
+    """
+    _check(x, weight, bias, batch, activation, None)
+    kernel_size = weight.shape[1]
+    positions = positions_in_batch(batch)[:, None]
+    weight = weight.float()
+    total = x.new_zeros(x.shape, dtype=torch.float32) if bias is None else bias.float().expand(x.shape)
+    for j in range(kernel_size):
+        shifted = F.pad(x[: len(x) - j], (0, 0, j, 0)) if j else x  # row t holds x[t - j]
+        total = total + torch.where(positions >= j, shifted.float(), 0.0) * weight[:, kernel_size - 1 - j]
+    return (F.silu(total) if activation == "silu" else total).to(x.dtype)
 
 
 def _state_rows(batch: Batch, stored: int) -> dict[str, torch.Tensor]:
