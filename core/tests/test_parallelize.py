@@ -112,8 +112,9 @@ def test_what_each_policy_keeps(plain):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(plain):
-    cross_entropy, losses, gradients, *_ = _step({"compile": "blocks", "recompute": "selective"})
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_compiled_blocks_match_eager(recompute, plain):
+    cross_entropy, losses, gradients, *_ = _step({"compile": "blocks", "recompute": recompute})
     torch.testing.assert_close(cross_entropy, plain[0], rtol=1e-5, atol=1e-5)
     assert losses.keys() == plain[1].keys()
     for name, gradient in gradients.items():

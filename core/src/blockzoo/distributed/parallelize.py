@@ -1,5 +1,5 @@
 """What the run config asks of a built model beyond its layers, applied from outside it (as torchtitan's
-`parallelize`): activation recomputation, then torch.compile of each block.
+`parallelize`): activation recomputation and torch.compile of each block.
 
 The model's code knows none of it: each policy replaces a block's `forward` on the instance, so parameter names,
 checkpoints and the module tree stay those of the plain model.
@@ -11,11 +11,17 @@ checkpoints and the module tree stay those of the plain model.
 - Compilation (`training.compile: blocks`): each block's training forward goes through `torch.compile` (the
   backward is compiled with it). Blocks of one configuration share the compiled code. Only calls that build a
   graph (training) take it; evaluation, `no_grad` calls and generation run eagerly, so they never trigger a
-  compilation of their own shapes.
+  compilation of their own shapes. Recomputing a compiled block is the compiler's job: its min-cut partitioner
+  chooses what to keep under a memory budget (`COMPILED_RECOMPUTE_BUDGETS`: `full` recomputes all it can,
+  `selective` keeps about half). torch.utils.checkpoint around or inside a compiled block does not work with the
+  blocks' per-batch caches: on one H200 (Llama-1B shape) selective checkpointing traced inside a compiled block
+  fell back to eager code, and recomputing a compiled block from outside recompiled it with other saved
+  tensors (torch's checkpoint then refuses the recomputed values).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +39,10 @@ def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
     training = run_config.training
     for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
         policy = training.recompute_blocks.get(name, training.recompute)
-        if policy != "none":
-            block.forward = recomputed(block.forward, selective=policy == "selective")
         if training.compile == "blocks":
-            block.forward = compiled(block.forward)
+            block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
+        elif policy != "none":
+            block.forward = recomputed(block.forward, selective=policy == "selective")
     return model
 
 
@@ -107,16 +113,29 @@ def recomputed(forward: Callable, *, selective: bool) -> Callable:
 # -- compilation -------------------------------------------------------------------------------------------------------
 
 
-def compiled(forward: Callable) -> Callable:
-    """`forward(hidden, batch, state=None)` through torch.compile when it builds a graph (training)."""
+# The share of its activations a compiled block keeps (torch's min-cut partitioner recomputes the cheapest rest), by
+# recomputation policy; without one, what the compiler keeps by default.
+COMPILED_RECOMPUTE_BUDGETS = {"selective": 0.5, "full": 0.0}
+
+
+def compiled(forward: Callable, *, memory_budget: float | None = None) -> Callable:
+    """`forward(hidden, batch, state=None)` through torch.compile when it builds a graph (training). With
+    `memory_budget`, the compiler keeps about that share of the activations and recomputes the rest."""
     # Recompilations (a new document layout's maximum length, ...) must not silently fall back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     compiled_forward = torch.compile(forward)
+    # The partition between saved and recomputed activations is chosen when the forward compiles, inside the call.
+    budget = (
+        contextlib.nullcontext
+        if memory_budget is None
+        else functools.partial(torch._functorch.config.patch, activation_memory_budget=memory_budget)
+    )
 
     @functools.wraps(forward)
     def run(hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
         if state is not None or not torch.is_grad_enabled():
             return forward(hidden, batch, state)
-        return compiled_forward(hidden, batch, state)
+        with budget():
+            return compiled_forward(hidden, batch, state)
 
     return run
