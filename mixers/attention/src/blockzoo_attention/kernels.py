@@ -124,9 +124,9 @@ class VarlenKernel:
     name = "varlen"
 
     def unavailable(self, query: torch.Tensor) -> str | None:
-        if _varlen_attn() is None:
+        if _VARLEN_ATTN is None:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-        if "window_size" not in _varlen_parameters():
+        if "window_size" not in _VARLEN_PARAMETERS:
             return f"torch {torch.__version__}'s varlen_attn takes no window_size (torch >= 2.11 does)"
         if query.device.type != "cuda":
             return "it needs CUDA"
@@ -149,17 +149,17 @@ class VarlenKernel:
 
     def attend(self, query, key, value, prepared: dict[str, Any], scale: float) -> torch.Tensor:
         options = dict(prepared)
-        if "enable_gqa" in _varlen_parameters():
+        if "enable_gqa" in _VARLEN_PARAMETERS:
             options["enable_gqa"] = key.shape[1] != query.shape[1]
         else:
             key, value = (_repeat_heads(tensor, query.shape[1]) for tensor in (key, value))
-        if "scale" in _varlen_parameters():
+        if "scale" in _VARLEN_PARAMETERS:
             options["scale"] = scale
         else:  # The kernel's own scale is head_size**-0.5.
             query = query * (scale * query.shape[-1] ** 0.5)
         # Key and value may be strided views of the key‖value projection.
         query, key, value = (tensor.contiguous() for tensor in (query, key, value))
-        return _varlen_attn()(query, key, value, **options)
+        return _VARLEN_ATTN(query, key, value, **options)
 
 
 class FlexKernel:
@@ -235,8 +235,7 @@ def _repeat_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor if tensor.shape[1] == heads else tensor.repeat_interleave(heads // tensor.shape[1], dim=1)
 
 
-@functools.cache
-def _varlen_attn() -> Callable | None:
+def _find_varlen_attn() -> Callable | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -244,10 +243,10 @@ def _varlen_attn() -> Callable | None:
     return varlen_attn
 
 
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    """The keyword arguments of this torch's varlen_attn (they grew from 2.10 to 2.11)."""
-    return frozenset(inspect.signature(_varlen_attn()).parameters)
+# Looked up once at import, not in the forward: a compiled block would trace the lookup (and `inspect`) each time.
+_VARLEN_ATTN = _find_varlen_attn()
+# The keyword arguments of this torch's varlen_attn (they grew from 2.10 to 2.11).
+_VARLEN_PARAMETERS = frozenset(() if _VARLEN_ATTN is None else inspect.signature(_VARLEN_ATTN).parameters)
 
 
 @functools.cache
