@@ -1,7 +1,7 @@
 """Tensor dimensions that know how they are split between tensor-parallel ranks.
 
 A dim is layout-independent: it holds its global size and whether it is split ("parallel"); the
-tensor-parallel rank and size are given when a local size or shard is asked for. Three kinds:
+tensor-parallel rank and size are given when a local size or shard is asked for. Four kinds:
 
 - `TensorDim`: a plain dim, split into contiguous equal chunks when parallel.
 - `CompositeTensorDim`: a product of dims (heads × head_size) laid out component-major; at most one
@@ -9,6 +9,8 @@ tensor-parallel rank and size are given when a local size or shard is asked for.
 - `ConcatenatedTensorDim`: dims laid end to end (key‖value, gate‖up, Mamba's in_proj [z, x, B, C, dt]).
   A rank holds the concatenation of each component's local shard ([k_r, v_r]) while the global layout
   is the concatenation of the global components ([k, v]), so checkpoints do not depend on the layout.
+- `PaddedTensorDim`: a dim the tensor-parallel size need not divide (the vocabulary): each rank holds
+  ceil(size / tp) entries, the last ones padding; the global tensor keeps the true size.
 
 Every dim maps a global tensor to a rank's shard (`global_to_local`) and back, either from every
 rank's shard (`merge_shards`) or with an all-gather over the tensor group (`local_to_global`).
@@ -152,3 +154,45 @@ class ConcatenatedTensorDim(TensorDim):
             [dim.merge_shards([parts[index] for parts in per_rank], dim_index) for index, dim in enumerate(self.dims)],
             dim_index,
         )
+
+
+class PaddedTensorDim(TensorDim):
+    """A dim split into chunks of ceil(global_size / tp) entries, the global tensor zero-padded to a multiple of the
+    tensor-parallel size before sharding and truncated after gathering (the vocabulary: 257 ids over 2 ranks are 129
+    rows each, the last one padding). `global_size` is the true size, so checkpoints hold the unpadded tensor and
+    any layout loads any other. Padded entries are zeros; the layers that use them make sure they stay so."""
+
+    def local_size(self, tp_size: int) -> int:
+        if not self.parallel:
+            return self.global_size
+        return -(-self.global_size // tp_size)
+
+    def padded_size(self, tp_size: int) -> int:
+        """The global size padded to a multiple of the tensor-parallel size."""
+        return self.local_size(tp_size) * (tp_size if self.parallel else 1)
+
+    def valid_size(self, tp_rank: int, tp_size: int) -> int:
+        """How many of rank `tp_rank`'s entries are real (the others are padding)."""
+        size = self.local_size(tp_size)
+        return max(0, min(size, self.global_size - tp_rank * size)) if self.parallel else self.global_size
+
+    def global_to_local(self, tensor: torch.Tensor, dim_index: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+        if not self.parallel:
+            return tensor
+        size = self.local_size(tp_size)
+        start, valid = tp_rank * size, self.valid_size(tp_rank, tp_size)
+        shard = tensor.narrow(dim_index, min(start, self.global_size), valid)
+        if valid == size:
+            return shard
+        import torch
+
+        shape = list(tensor.shape)
+        shape[dim_index] = size - valid
+        return torch.cat([shard, tensor.new_zeros(shape)], dim_index)
+
+    def merge_shards(self, shards: Sequence[torch.Tensor], dim_index: int) -> torch.Tensor:
+        if not self.parallel:
+            return shards[0]
+        import torch
+
+        return torch.cat(list(shards), dim_index).narrow(dim_index, 0, self.global_size)

@@ -1,9 +1,17 @@
 """The language model: embeddings → block sequence → head, over packed documents.
 
-Under sequence-tensor-parallel each rank embeds, normalizes and projects only its own contiguous
-slice of the tokens: the replicated embedding, norm and output weights then see token shards, and
-their gradients are summed over the tensor group (see `create_parameter`'s `token_sharded_input`).
-Each rank's loss covers its own tokens.
+Vocabulary-parallel under tensor parallelism: each tensor-parallel rank holds a contiguous slice of the
+vocabulary rows of the embedding table and of the output weight (one parameter when tied), the vocabulary
+zero-padded to a multiple of the tensor-parallel size (`PaddedTensorDim`; checkpoints hold the true
+`[vocab, hidden]`). A lookup embeds the ids of the rank's slice and the partial embeddings are summed over the
+tensor group (under sequence-tensor-parallel, reduce-scattered so that each rank keeps its own tokens). The head
+computes the loss with the vocabulary-parallel `linear_cross_entropy`, which never materializes the logits of all
+tokens (also in a single process); full logits, asked for by `forward` and generation, are gathered.
+
+Under sequence-tensor-parallel the residual stream holds each rank's contiguous slice of the tokens: the replicated
+position embeddings and head norm see token shards, and their gradients are summed over the tensor group (see
+`create_parameter`'s `token_sharded_input`); the head gathers the tokens, since every rank computes its vocabulary
+slice of every token's logits.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.conversion import Origin
+from blockzoo.distributed.ops import gather_tokens, reduce_from_tensor_region, reduce_scatter_tokens
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import IGNORE_INDEX, Batch
+from blockzoo.layers.base import Batch
 from blockzoo.layers.config import NormalInitializationConfig
-from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.cross_entropy import linear_cross_entropy
+from blockzoo.layers.dims import PaddedTensorDim, TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.block import build_part
 from blockzoo.model.config import EmbeddingsConfig, HeadConfig, ModelConfig
@@ -40,6 +50,18 @@ def _scaled(lr_scale: float, own: float | None) -> float:
     return lr_scale * (1.0 if own is None else own)
 
 
+def vocab_dim(vocab_size: int) -> PaddedTensorDim:
+    """The vocabulary dim of the embedding table and output weight: split between tensor-parallel ranks, padded."""
+    return PaddedTensorDim("vocab", vocab_size, parallel=True)
+
+
+def _vocab_slice(distributed: Distributed, vocab_size: int) -> tuple[int, int, int]:
+    """(first id, rows, real rows) of this tensor-parallel rank's slice of the vocabulary."""
+    dim = vocab_dim(vocab_size)
+    rows = dim.local_size(distributed.tensor_size)
+    return distributed.tensor_rank * rows, rows, dim.valid_size(distributed.tensor_rank, distributed.tensor_size)
+
+
 class Embeddings(nn.Module):
     def __init__(self, config: EmbeddingsConfig, *, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float):
         super().__init__()
@@ -47,9 +69,9 @@ class Embeddings(nn.Module):
         lr_scale = _scaled(lr_scale, config.lr_scale)
         initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
         settings = config.word_embeddings.resolve(initialization=initialization, lr_scale=lr_scale)
-        vocab_dim = TensorDim("vocab", config.vocab_size)
+        self.vocab_size = config.vocab_size
         self.word_embeddings = create_parameter(
-            "embeddings.word_embeddings", (vocab_dim, hidden_dim), settings, distributed, token_sharded_input=True
+            "embeddings.word_embeddings", (vocab_dim(config.vocab_size), hidden_dim), settings, distributed
         )
         self.position_embeddings = None
         if config.position_embeddings:
@@ -63,8 +85,15 @@ class Embeddings(nn.Module):
             )
 
     def forward(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        tokens = own_tokens(tokens, self.distributed)
-        hidden = F.embedding(tokens, self.word_embeddings)
+        """The embeddings of this rank's tokens (all of them unless sequence-tensor-parallel), in the compute dtype."""
+        distributed = self.distributed
+        if distributed.tensor_size == 1:
+            hidden = F.embedding(tokens, self.word_embeddings)
+        else:
+            hidden = self._vocab_parallel_lookup(tokens)
+            # Each token's row lives on one rank: the sum over the group is exact, in any order.
+            reduce = reduce_scatter_tokens if distributed.sequence_tensor_parallel else reduce_from_tensor_region
+            hidden = reduce(hidden, distributed.tensor_group)
         if self.position_embeddings is not None:
             positions = own_tokens(batch.positions, self.distributed)
             if len(positions) and int(positions.max()) >= len(self.position_embeddings):
@@ -74,6 +103,15 @@ class Embeddings(nn.Module):
                 )
             hidden = hidden + F.embedding(positions, self.position_embeddings)
         return hidden.to(self.distributed.compute_dtype)
+
+    def _vocab_parallel_lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings of the ids in this rank's slice of the vocabulary, zeros for the others (all tokens)."""
+        start, rows, _ = _vocab_slice(self.distributed, self.vocab_size)
+        local = tokens - start
+        elsewhere = (local < 0) | (local >= rows)
+        # Masking the output also masks the gradient: row 0, which the ids elsewhere look up, gets none from them.
+        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.word_embeddings)
+        return hidden.masked_fill(elsewhere.unsqueeze(1), 0.0)
 
 
 class Head(nn.Module):
@@ -88,6 +126,8 @@ class Head(nn.Module):
         tied_weight: nn.Parameter | None,
     ):
         super().__init__()
+        self.distributed = distributed
+        self.vocab_size = vocab_size
         lr_scale = _scaled(lr_scale, config.lr_scale)
         self.normalization = build_part(
             config.normalization,
@@ -102,16 +142,48 @@ class Head(nn.Module):
             initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
             settings = config.output_weight.resolve(initialization=initialization, lr_scale=lr_scale)
             self.output_weight = create_parameter(
-                "head.output_weight",
-                (TensorDim("vocab", vocab_size), hidden_dim),
-                settings,
-                distributed,
-                token_sharded_input=True,
+                "head.output_weight", (vocab_dim(vocab_size), hidden_dim), settings, distributed
             )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[tokens, vocab]` of every token, whose final hidden states are `hidden` (this rank's tokens under
+        sequence-tensor-parallel). Under tensor parallelism the vocabulary slices are gathered, without gradient:
+        for inference (train through `loss`)."""
         hidden = self.normalization(hidden)
-        return F.linear(hidden, self.output_weight.to(hidden.dtype))
+        distributed = self.distributed
+        if distributed.tensor_size == 1:
+            return F.linear(hidden, self.output_weight.to(hidden.dtype))
+        group = distributed.tensor_group
+        if distributed.sequence_tensor_parallel:
+            hidden = gather_tokens(hidden, group)
+        logits = F.linear(hidden, self.output_weight.to(hidden.dtype))
+        return vocab_dim(self.vocab_size).local_to_global(logits, 1, group)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy summed over the labelled tokens (fp32), from the final hidden states of this rank's
+        tokens and the labels of all tokens of the micro-batch.
+
+        Without sequence-tensor-parallel every tensor-parallel rank returns the loss of all tokens. Under it, each
+        rank returns the loss of its own tokens (their sum over the tensor group is the micro-batch's, as the
+        trainer expects), while its backward gives this rank's part of the gradient of the micro-batch's loss:
+        every rank computes its vocabulary slice of every token, so the loss of all tokens is known on each rank.
+        """
+        hidden = self.normalization(hidden)
+        distributed = self.distributed
+        start, _, _ = _vocab_slice(distributed, self.vocab_size)
+        options = {"tensor_group": distributed.tensor_group, "vocab_start": start, "vocab_size": self.vocab_size}
+        if not distributed.sequence_tensor_parallel:
+            return linear_cross_entropy(hidden, self.output_weight, labels, **options)
+        total, token_losses = linear_cross_entropy(
+            hidden,
+            self.output_weight,
+            own_tokens(labels, distributed),
+            sequence_parallel=True,
+            return_token_losses=True,
+            **options,
+        )
+        own = own_tokens(token_losses, distributed).sum()
+        return total + (own - total).detach()  # the value of this rank's share, the gradient of the total
 
 
 class LanguageModel(nn.Module):
@@ -154,20 +226,26 @@ class LanguageModel(nn.Module):
         return self.forward_packed(input_ids.reshape(-1), batch).view(rows, -1, self.vocab_size)
 
     def forward_packed(self, tokens: torch.Tensor, batch: Batch, states: Sequence | None = None) -> torch.Tensor:
-        """Logits of this rank's tokens (all of them unless sequence-tensor-parallel) for packed `tokens`."""
+        """Logits `[tokens, vocab]` of all the packed `tokens`, on every rank (gathered under tensor parallelism,
+        where they carry no gradient: see `Head.forward`)."""
+        return self.head(self._final_hidden(tokens, batch, states))
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """(Sum of the cross-entropy over the labelled tokens, the layers' named losses); the logits of all tokens
+        never exist at once (`linear_cross_entropy`). Under sequence-tensor-parallel the cross-entropy is that of
+        this rank's tokens (see `Head.loss`), else that of all tokens."""
+        if len(labels) != len(tokens):
+            raise ValueError(f"{len(labels)} labels for {len(tokens)} tokens")
+        cross_entropy = self.head.loss(self._final_hidden(tokens, batch), labels)
+        return cross_entropy, batch.losses
+
+    def _final_hidden(self, tokens: torch.Tensor, batch: Batch, states: Sequence | None = None) -> torch.Tensor:
         if len(tokens) != batch.num_tokens:
             raise ValueError(f"{len(tokens)} tokens for a batch of {batch.num_tokens}")
         hidden = self.embeddings(tokens, batch)
         for index, block in enumerate(self.decoder):
             hidden = block(hidden, batch, None if states is None else states[index])
-        return self.head(hidden)
-
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict]:
-        """(Sum of the cross-entropy over this rank's labelled tokens, the layers' named losses)."""
-        logits = self.forward_packed(tokens, batch)
-        labels = own_tokens(labels, self.distributed)
-        cross_entropy = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return cross_entropy, batch.losses
+        return hidden
 
     def flops(self, batch: Batch) -> tuple[int, int]:
         """(forward, backward) floating-point operations over the batch, all ranks together."""

@@ -1,0 +1,267 @@
+"""Fused linear cross-entropy: the loss of `hidden @ weight.T` without the logits of every token ever existing.
+
+The output projection of a language model makes `[tokens, vocab]` logits, by far the largest activation (a
+128k vocabulary over 16k tokens: 4 GB in bf16, 8 GB more in fp32 for the loss, as much again for their
+gradient). Here the tokens are processed in chunks: the forward pass computes a chunk's logits in the compute
+dtype, their fp32 log-sum-exp and target logit (the loss), and at once the gradient of the chunk's logits
+(softmax − one-hot), from which it accumulates the gradients of the hidden states (compute dtype) and of the
+weight (fp32); then the chunk's temporaries are dropped. The backward pass only scales those gradients by the
+incoming one. When no gradient is wanted (evaluation, `torch.no_grad`), only the loss is computed.
+
+Vocabulary-parallel (a `tensor_group` of size > 1): `weight` holds this rank's rows of the vocabulary. Each rank
+computes its columns of every token's logits; the per-token log-sum-exp combines over the group (one all-gather
+of two numbers per token), the target logit comes from the rank whose columns hold the label, so the loss is the
+same on every rank. Each rank's hidden-state gradient covers its columns only: the input enters the tensor
+region (`copy_to_tensor_region`, or under sequence-tensor-parallel `gather_tokens`), whose backward sums it.
+
+The fp32 elementwise work of a chunk is plain PyTorch; on CUDA it goes through `torch.compile` (`COMPILE_ON_CUDA`),
+which fuses it into a few kernels that read the compute-dtype logits once or twice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch.distributed import ProcessGroup
+
+from blockzoo.distributed.ops import all_gather_tensors, copy_to_tensor_region, gather_tokens
+from blockzoo.layers.base import IGNORE_INDEX
+
+# A chunk's logits hold at most this many elements, per device type. On the CPU, beyond a few million elements
+# the time per token no longer drops while the fp32 temporaries keep growing; on CUDA larger chunks keep the
+# matmuls large (the GPU run tunes it).
+CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**28}
+DEFAULT_CHUNK_ELEMENTS = 2**24
+
+# Compile the elementwise fp32 part of a chunk on CUDA (never on the CPU: no gain measured there, and the compile
+# time would dominate the tests).
+COMPILE_ON_CUDA = True
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    tensor_group: ProcessGroup | None = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    chunk_tokens: int | None = None,
+    return_token_losses: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy of the logits `hidden @ weight.T`, summed over the tokens whose label is not `ignore_index`
+    (fp32, whatever the compute dtype), differentiable with respect to `hidden` and `weight`.
+
+    `hidden` `[tokens, hidden]` is in the compute dtype; `weight` `[rows, hidden]` may be fp32 master weights (cast
+    here; its gradient comes back in its own dtype). `labels` `[tokens]`: vocabulary ids or `ignore_index`.
+    `tensor_group`: vocabulary-parallel over this group; `weight` is then this rank's rows `[vocab_start,
+    vocab_start + rows)`, `hidden` and `labels` the same on every rank, and so is the result. `vocab_size`: the
+    true vocabulary; rows at or beyond it are padding, left out of the softmax (and given no gradient).
+    `sequence_parallel`: `hidden` and `labels` are this rank's contiguous share of the tokens (sequence-tensor-
+    parallel); they are gathered from the group first and the loss covers all of them. `chunk_tokens`: tokens per
+    chunk (default: from the sizes, see `CHUNK_ELEMENTS`). `return_token_losses`: also return the loss of each
+    token `[tokens]` (all of the group's under `sequence_parallel`; zero where ignored; not differentiable).
+    """
+    if hidden.ndim != 2 or weight.ndim != 2 or labels.ndim != 1:
+        raise ValueError(
+            "linear_cross_entropy takes hidden [tokens, hidden], weight [rows, hidden] and labels [tokens], got "
+            f"shapes {tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1] or len(labels) != len(hidden):
+        raise ValueError(
+            f"linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
+            f"{tuple(labels.shape)} do not match (hidden sizes, then token counts)"
+        )
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_tokens must be at least 1, got {chunk_tokens}")
+    parallel = tensor_group is not None and tensor_group.size() > 1
+    if not parallel:
+        tensor_group = None
+    if vocab_size is None:
+        vocab_size = vocab_start + weight.shape[0] if not parallel else tensor_group.size() * weight.shape[0]
+    if sequence_parallel and parallel:
+        hidden = gather_tokens(hidden, tensor_group)
+        labels = torch.cat(all_gather_tensors(labels, tensor_group))
+    else:
+        hidden = copy_to_tensor_region(hidden, tensor_group)
+    _check_labels(labels, ignore_index, vocab_size)
+    options = _Options(
+        group=tensor_group,
+        ignore_index=ignore_index,
+        vocab_start=vocab_start,
+        valid_rows=max(0, min(weight.shape[0], vocab_size - vocab_start)),
+        chunk_tokens=chunk_tokens,
+    )
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        loss, token_losses = _LinearCrossEntropy.apply(hidden, weight, labels, options)
+    else:
+        token_losses, _, _ = _chunked(hidden, weight, labels, options, hidden_gradient=False, weight_gradient=False)
+        loss = token_losses.sum()
+    return (loss, token_losses) if return_token_losses else loss
+
+
+def _check_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
+    # One device sync; a label out of range would otherwise give a silently wrong loss (no rank holds its column).
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(outside.any()):
+        bad = int(labels[outside][0])
+        raise ValueError(f"linear_cross_entropy: label {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+@attrs.frozen(kw_only=True)
+class _Options:
+    """What the chunk loop needs besides the tensors."""
+
+    group: ProcessGroup | None
+    ignore_index: int
+    vocab_start: int
+    valid_rows: int  # this rank's rows that are not padding
+    chunk_tokens: int | None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, options: _Options):
+        token_losses, grad_hidden, grad_weight = _chunked(
+            hidden,
+            weight,
+            labels,
+            options,
+            hidden_gradient=ctx.needs_input_grad[0],
+            weight_gradient=ctx.needs_input_grad[1],
+        )
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(token_losses)
+        return token_losses.sum(), token_losses
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_token_losses: torch.Tensor | None):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # In place: these are this call's own buffers (a second backward through the graph is refused by autograd's
+        # check of the saved tensors' versions).
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def _chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    options: _Options,
+    *,
+    hidden_gradient: bool,
+    weight_gradient: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(The loss of each token, the gradient of the summed loss w.r.t. hidden and weight or None), chunk by chunk."""
+    tokens = len(hidden)
+    valid = options.valid_rows
+    projection = weight[:valid].to(hidden.dtype)  # the padding rows never enter the softmax
+    labelled = labels != options.ignore_index
+    targets = labels - options.vocab_start  # the target's column among this rank's, -1 when not here
+    targets = torch.where(labelled & (targets >= 0) & (targets < valid), targets, -1)
+    token_losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if hidden_gradient else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_gradient else None
+    gradients = hidden_gradient or weight_gradient
+    statistics, softmax_gradient, loss_and_gradient = _elementwise(hidden.device)
+    # From the rows, not the valid rows: every rank of the group must cut the same chunks (their statistics meet).
+    chunk = _chunk_tokens(tokens, weight.shape[0], hidden.device, options.chunk_tokens)
+    for start in range(0, tokens, chunk):
+        end = min(start + chunk, tokens)
+        chunk_hidden, chunk_targets, chunk_labelled = hidden[start:end], targets[start:end], labelled[start:end]
+        logits = torch.mm(chunk_hidden, projection.T)
+        if options.group is None and gradients and valid:
+            lse, target, gradient = loss_and_gradient(logits, chunk_targets, chunk_labelled)
+        else:
+            if valid:
+                lse, target = statistics(logits, chunk_targets)
+            else:  # a rank holding only padding rows (a vocabulary smaller than the tensor-parallel size demands)
+                lse = torch.full((end - start,), -math.inf, device=hidden.device)
+                target = torch.zeros(end - start, device=hidden.device)
+            if options.group is not None:
+                lse, target = _combine(lse, target, options.group)
+            gradient = None
+            if gradients:
+                gradient = softmax_gradient(logits, _ignored_to_inf(lse, chunk_labelled), chunk_targets)
+        del logits
+        token_losses[start:end] = torch.where(chunk_labelled, lse - target, 0.0)
+        if gradient is not None:
+            if grad_hidden is not None:
+                torch.mm(gradient, projection, out=grad_hidden[start:end])
+            if grad_weight is not None:
+                if gradient.dtype == torch.float32:
+                    grad_weight[:valid].addmm_(gradient.T, chunk_hidden)
+                else:  # the chunk's product in the compute dtype (fp32 accumulation inside), summed over chunks in fp32
+                    grad_weight[:valid] += torch.mm(gradient.T, chunk_hidden)
+            del gradient
+    return token_losses, grad_hidden, grad_weight
+
+
+def _chunk_tokens(tokens: int, columns: int, device: torch.device, requested: int | None) -> int:
+    """Tokens per chunk: within the element budget, and balanced so that the last chunk is not a sliver."""
+    if requested is None:
+        requested = max(1, CHUNK_ELEMENTS.get(device.type, DEFAULT_CHUNK_ELEMENTS) // max(columns, 1))
+    chunks = max(1, -(-tokens // requested))
+    return max(1, -(-tokens // chunks))
+
+
+def _combine(lse: torch.Tensor, target: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (log-sum-exp over its columns, target logit or 0) → the whole vocabulary's, on every rank."""
+    gathered = torch.stack(all_gather_tensors(torch.stack([lse, target]), group))  # [ranks, 2, tokens]
+    return torch.logsumexp(gathered[:, 0], 0), gathered[:, 1].sum(0)
+
+
+def _ignored_to_inf(lse: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    # exp(logit - inf) = 0: the softmax gradient of an ignored token is zero without another pass over its row.
+    return torch.where(labelled, lse, math.inf)
+
+
+# -- the elementwise fp32 part of a chunk -----------------------------------------------------------------------------
+
+
+def _statistics(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log-sum-exp of each row of `logits` `[tokens, columns]`, and the logit of each row's target column (0
+    where the target is -1: not among these columns)."""
+    logits = logits.float()
+    maximum = logits.amax(1, keepdim=True)
+    lse = (logits - maximum).exp_().sum(1).log_() + maximum.squeeze(1)
+    target = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return lse, torch.where(targets >= 0, target, 0.0)
+
+
+def _softmax_gradient(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """softmax − one-hot(target) of each row, in the logits' dtype (the gradient of the row's loss w.r.t. its
+    logits); `lse` is the row's log-sum-exp over the whole vocabulary, +inf for a row to zero."""
+    gradient = (logits.float() - lse.unsqueeze(1)).exp_()
+    gradient.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -(targets >= 0).float().unsqueeze(1))
+    return gradient.to(logits.dtype)
+
+
+def _loss_and_gradient(
+    logits: torch.Tensor, targets: torch.Tensor, labelled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A single process's chunk in one function (one compiled graph): statistics, then the softmax gradient."""
+    lse, target = _statistics(logits, targets)
+    return lse, target, _softmax_gradient(logits, _ignored_to_inf(lse, labelled), targets)
+
+
+_PLAIN = (_statistics, _softmax_gradient, _loss_and_gradient)
+_compiled: tuple | None = None
+
+
+def _elementwise(device: torch.device) -> tuple:
+    """The elementwise functions for `device`: compiled on CUDA when `COMPILE_ON_CUDA`, else plain."""
+    global _compiled
+    if device.type != "cuda" or not COMPILE_ON_CUDA:
+        return _PLAIN
+    if _compiled is None:
+        _compiled = tuple(torch.compile(function) for function in _PLAIN)
+    return _compiled
