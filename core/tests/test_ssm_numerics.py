@@ -36,6 +36,7 @@ from blockzoo.ssm import (
     selective_scan,
     ssd_scan,
 )
+from blockzoo.ssm import scan as scan_module
 from blockzoo.ssm.initialization import initialize_a_log_range, initialize_a_log_state, initialize_dt_bias
 
 F64 = torch.float64
@@ -571,9 +572,10 @@ def test_a_mamba_ssm_that_fails_to_import_leaves_no_stand_in(clean_modules, tmp_
 @pytest.mark.parametrize("scale_input", [True, False])
 def test_the_kernel_call_gives_mamba_chunk_scan_combined_what_it_expects(monkeypatch, scale_input, skip):
     # The GPU kernel itself is tested in test_ssm_gpu.py; here a stand-in with its contract checks the call.
-    def combined(x, dt, A, B, C, chunk_size, D, seq_idx):
+    def combined(x, dt, A, B, C, chunk_size, D, seq_idx, dt_bias, dt_softplus, dt_limit):
         assert x.shape[0] == dt.shape[0] == B.shape[0] == C.shape[0] == seq_idx.shape[0] == 1  # one packed sequence
-        assert dt.dtype == A.dtype == torch.float32 and seq_idx.dtype == torch.int32 and chunk_size == 4
+        assert A.dtype == torch.float32 and seq_idx.dtype == torch.int32 and chunk_size == 4
+        assert dt_bias is None and not dt_softplus and dt_limit == (0.0, math.inf)
         lengths = torch.unique_consecutive(seq_idx[0], return_counts=True)[1].tolist()
         y, _ = reference_ssd(x[0], dt[0], A, B[0], C[0], lengths, scale_input=True)  # it always scales by dt
         if D is not None:
@@ -590,6 +592,63 @@ def test_the_kernel_call_gives_mamba_chunk_scan_combined_what_it_expects(monkeyp
         expected = expected + D.double()[:, None] * x.double()
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_stand_in(x, dt, A, B, C, chunk_size, D, seq_idx, dt_bias, dt_softplus, dt_limit):
+    """mamba_chunk_scan_combined's contract for the time step, written from its documentation:
+    dt' = clamp(softplus(dt + dt_bias)) in fp32, then the scan of x scaled by dt' (float64 reference here)."""
+    lengths = torch.unique_consecutive(seq_idx[0], return_counts=True)[1].tolist()
+    step = dt[0].double() + (0 if dt_bias is None else dt_bias.double())
+    step = F.softplus(step) if dt_softplus else step
+    step = step.clamp(*dt_limit)
+    y, _ = reference_ssd(x[0], step, A, B[0], C[0], lengths, scale_input=True)
+    return y[None].to(x.dtype)
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_ssd_scan_time_step_from_dt_bias_softplus_and_limit(monkeypatch, scale_input):
+    """The torch path and the kernel call (a stand-in honouring the kernel's contract) against the float64 loop on
+    clamp(softplus(dt + dt_bias)): the kernel path hands dt, dt_bias, softplus and the limit to the kernel."""
+    x, dt, A, B, C = ssd_inputs(LENGTHS, dtype=torch.float32)
+    raw = dt * 4 - 2  # raw in_proj outputs, either sign
+    dt_bias = torch.linspace(-1.0, 1.0, x.shape[1])
+    limit = (0.3, 1.2)  # clamps some steps on both sides
+    expected_step = F.softplus(raw.double() + dt_bias.double()).clamp(*limit)
+    assert (expected_step == limit[0]).any() and (expected_step == limit[1]).any()
+    expected, _ = reference_ssd(x, expected_step, A, B, C, LENGTHS, scale_input=scale_input)
+
+    def scan(batch):
+        return ssd_scan(
+            x, raw, A, B, C, batch, chunk_size=4, scale_input=scale_input, dt_bias=dt_bias, dt_softplus=True,
+            dt_limit=limit,
+        )  # fmt: skip
+
+    torch.testing.assert_close(scan(Batch(LENGTHS)).double(), expected, rtol=1e-5, atol=1e-5)
+
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(kwargs)
+        return _kernel_stand_in(*args, **kwargs)
+
+    class FakeCuda(torch.Tensor):  # the dispatch, not a GPU, is under test
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(kernels, "_chunk_scan_combined", lambda: stand_in)
+    monkeypatch.setattr(scan_module, "mamba_ssm_available", lambda: True)
+    x = x.as_subclass(FakeCuda)
+    y = scan(Batch(LENGTHS))
+    torch.testing.assert_close(y.as_subclass(torch.Tensor).double(), expected, rtol=1e-5, atol=1e-5)
+    # With scale_input the kernel computes the time step; without, it is given x / dt' and dt' itself.
+    assert (calls[0]["dt_bias"] is dt_bias) == scale_input and calls[0]["dt_softplus"] == scale_input
+
+
+def test_time_step_without_processing_is_dt_itself():
+    dt = torch.rand(5, 3)
+    assert scan_module.time_step(dt) is dt
+    torch.testing.assert_close(scan_module.time_step(dt, softplus=True), F.softplus(dt))
 
 
 def test_autotune_limit_from_the_environment():

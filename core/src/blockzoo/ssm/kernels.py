@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -80,12 +81,20 @@ def mamba_chunk_scan(
     chunk_size: int,
     D: torch.Tensor | None,
     scale_input: bool,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> torch.Tensor:
     """`ssd_scan` through mamba_ssm's `mamba_chunk_scan_combined`, the packed documents told apart by `seq_idx`.
 
-    The kernel always scales the input by dt; without `scale_input` it is given x / dt instead.
+    The kernel always scales the input by dt; without `scale_input` it is given x / dt instead (dt must then be the
+    time step itself: no dt_bias, softplus or limit). With them, the kernel computes the time step
+    clamp(softplus(dt + dt_bias)) in fp32 as it reads dt, which may be a bf16 slice of in_proj's output: no copy.
     """
-    dt = dt.float()  # the kernel takes dt to fp32 anyway; its gradient then adds up in fp32 too
+    if not scale_input and (dt_bias is not None or dt_softplus or tuple(dt_limit) != (0.0, math.inf)):
+        raise ValueError("mamba_chunk_scan: without scale_input, dt must be the time step (no dt_bias/softplus/limit)")
+    if dt_bias is None and not dt_softplus:
+        dt = dt.float()  # dt is the time step (a torch result): its gradient adds up in fp32 as the kernel's does
     skip = None if D is None else D.float()
     if not scale_input:
         if skip is not None:  # The kernel's skip would read x / dt: D·x is added here instead.
@@ -93,7 +102,19 @@ def mamba_chunk_scan(
             return (y.float() + (skip if skip.ndim == 2 else skip[:, None]) * x.float()).to(y.dtype)
         x = (x.float() / dt.unsqueeze(-1)).to(x.dtype)
     seq_idx = document_index.to(device=x.device, dtype=torch.int32)[None]
-    output = _chunk_scan_combined()(x[None], dt[None], A.float(), B[None], C[None], chunk_size, D=skip, seq_idx=seq_idx)
+    output = _chunk_scan_combined()(
+        x[None],
+        dt[None],
+        A.float(),
+        B[None],
+        C[None],
+        chunk_size,
+        D=skip,
+        seq_idx=seq_idx,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit),
+    )
     return output[0]
 
 

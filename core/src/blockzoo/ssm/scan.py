@@ -10,7 +10,10 @@ Padding has dt = 0 and x = 0, which leaves the state unchanged, so a padded docu
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from blockzoo.layers.base import Batch
 from blockzoo.ssm.kernels import mamba_chunk_scan, mamba_ssm_available
@@ -38,6 +41,9 @@ def ssd_scan(
     chunk_size: int,
     D: torch.Tensor | None = None,
     scale_input: bool = True,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
     state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba 2's scan: per document, s_t = exp(dt_t·A)·s_{t-1} + (dt_t if scale_input else 1)·x_t ⊗ B_t and
@@ -45,18 +51,41 @@ def ssd_scan(
     kernel on CUDA).
 
     x: [tokens, heads, head_size]; dt: [tokens, heads] (positive); A: [heads] (negative); B, C: [tokens, groups,
-    state_size], head h reading group h // (heads // groups). No D skip and no gate. `state` (generation): None or
-    [sequences, heads, head_size, state_size], the initial state, overwritten in place with the final one.
-    Returns y [tokens, heads, head_size] in the dtype of x.
+    state_size], head h reading group h // (heads // groups). No gate. With `dt_bias` ([heads]), `dt_softplus` or a
+    `dt_limit` other than [0, inf], the time step is `time_step(dt, dt_bias, dt_softplus, dt_limit)` (Mamba 2's
+    clamp(softplus(dt + dt_bias))), computed inside the kernel on CUDA, so dt may be in_proj's raw output.
+    `state` (generation): None or [sequences, heads, head_size, state_size], the initial state, overwritten in
+    place with the final one. Returns y [tokens, heads, head_size] in the dtype of x.
     """
     _check_ssd(x, dt, A, B, C, batch, chunk_size, state)
     if D is not None and D.shape not in ((x.shape[1],), x.shape[1:]):
         raise ValueError(
             f"ssd_scan: D must be [heads] or [heads, head_size] of x {tuple(x.shape)}, got {tuple(D.shape)}"
         )
-    if state is None and x.is_cuda and mamba_ssm_available():
+    if dt_bias is not None and dt_bias.shape != (x.shape[1],):
+        raise ValueError(f"ssd_scan: dt_bias must be [heads] = ({x.shape[1]},), got {tuple(dt_bias.shape)}")
+    if not dt_limit[0] < dt_limit[1]:
+        raise ValueError(f"ssd_scan: dt_limit must be (min, max) with min < max, got {tuple(dt_limit)}")
+    kernel = state is None and x.is_cuda and mamba_ssm_available()
+    if kernel and scale_input:  # the kernel turns dt into the time step itself
         return mamba_chunk_scan(
-            x, dt, A, B, C, batch.document_index, chunk_size=chunk_size, D=D, scale_input=scale_input
+            x,
+            dt,
+            A,
+            B,
+            C,
+            _int32_document_index(batch),
+            chunk_size=chunk_size,
+            D=D,
+            scale_input=True,
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+        )
+    dt = time_step(dt, dt_bias, dt_softplus, dt_limit)
+    if kernel:  # not scale_input: the kernel is given x / dt, which needs the time step itself
+        return mamba_chunk_scan(
+            x, dt, A, B, C, _int32_document_index(batch), chunk_size=chunk_size, D=D, scale_input=False
         )
     y = _chunked_ssd(x, dt, A, B, C, batch, chunk_size=chunk_size, scale_input=scale_input, state=state)
     if D is None:
@@ -64,6 +93,29 @@ def ssd_scan(
     dtype = torch.promote_types(y.dtype, torch.float32)
     skip = D.to(dtype) if D.ndim == 2 else D.to(dtype)[:, None]
     return (y.to(dtype) + skip * x.to(dtype)).to(y.dtype)
+
+
+def _int32_document_index(batch: Batch) -> torch.Tensor:
+    """The kernel's `seq_idx` (each token's document), cast once per batch."""
+    return batch.preprocessed(("blockzoo.ssm", "document_index", "int32"), lambda: batch.document_index.int())
+
+
+def time_step(
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    softplus: bool = False,
+    limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """clamp(softplus(dt + dt_bias), *limit), each part where asked, in fp32 (float64 for float64 dt) as mamba_ssm's
+    kernels compute it (torch's softplus, like theirs, is the identity above 20). Without any, dt as it is."""
+    if dt_bias is None and not softplus and tuple(limit) == (0.0, math.inf):
+        return dt
+    dt = dt.to(torch.promote_types(dt.dtype, torch.float32))
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    return dt if tuple(limit) == (0.0, math.inf) else dt.clamp(*limit)
 
 
 def selective_scan(

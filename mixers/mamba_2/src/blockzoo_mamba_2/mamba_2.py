@@ -14,7 +14,6 @@ scatters its output, so the convolution and the scan always see every token of t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.api import (
@@ -110,10 +109,10 @@ class Mamba2(Mixer):
         }
         in_proj_dim = ConcatenatedTensorDim("in_proj", [in_proj_dims[role] for role in IN_PROJ_COMPONENTS])
         convolution_dim = ConcatenatedTensorDim("convolution", [in_proj_dims[role] for role in ("x", "b", "c")])
-        # Where each component lies in this rank's in_proj output; x‖B‖C are adjacent, the convolution's input.
+        # This rank's in_proj output is [z ‖ x‖B‖C ‖ dt] (x‖B‖C adjacent: the convolution's input).
         tensor_size = distributed.tensor_size
-        self._in_proj_rows = dict(zip(IN_PROJ_COMPONENTS, in_proj_dim.component_slices(tensor_size)))
-        self._convolution_rows = slice(self._in_proj_rows["x"].start, self._in_proj_rows["c"].stop)
+        sizes = dict(zip(IN_PROJ_COMPONENTS, (dim.local_size(tensor_size) for dim in in_proj_dim.dims)))
+        self._in_proj_sizes = [sizes["z"], sizes["x"] + sizes["b"] + sizes["c"], sizes["dt"]]
         self._xbc_sizes = [dim.local_size(tensor_size) for dim in convolution_dim.dims]
 
         linear = {
@@ -156,20 +155,15 @@ class Mamba2(Mixer):
         config = self.config
         if state is not None:
             self._check_state(state, batch)
-        projected = self.in_proj(hidden)
-        z, dt = projected[:, self._in_proj_rows["z"]], projected[:, self._in_proj_rows["dt"]]
-        xbc = self.convolution(
-            projected[:, self._convolution_rows],
-            batch,
-            activation="silu",
-            state=None if state is None else state.convolution,
-        )
+        # Views of in_proj's output, never copied on CUDA (the kernels read strided rows); one split, so the backward
+        # assembles in_proj's gradient in one concatenation.
+        z, xbc, dt = self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
+        xbc = self.convolution(xbc, batch, activation="silu", state=None if state is None else state.convolution)
         x, b, c = xbc.split(self._xbc_sizes, dim=-1)
-        x = x.unflatten(-1, (-1, config.head_size))
-        # The time step and A in fp32 whatever the compute dtype (as mamba_ssm's kernels do).
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*config.dt_limit)
+        # The time step clamp(softplus(dt + dt_bias)) and A in fp32 whatever the compute dtype; on CUDA the scan
+        # kernel computes the time step as it reads dt.
         y = ssd_scan(
-            x,
+            x.unflatten(-1, (-1, config.head_size)),
             dt,
             -torch.exp(self.a_log.float()),
             b.unflatten(-1, (-1, config.state_size)),
@@ -177,6 +171,9 @@ class Mamba2(Mixer):
             batch,
             chunk_size=config.chunk_size,
             D=self.d.view(-1, config.head_size) if config.d_per_channel else self.d,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+            dt_limit=config.dt_limit,
             state=None if state is None else state.ssm,
         )
         return self.out_proj(self.normalization(y.flatten(1), z))
