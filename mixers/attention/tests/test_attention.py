@@ -11,7 +11,7 @@ from attention_reference import build, reference_forward
 from blockzoo.layers.base import Batch
 from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_attention.config import AttentionConfig
-from blockzoo_attention.kernels import KERNELS, TorchKernel, select_kernel
+from blockzoo_attention.kernels import KERNELS, Segments, TorchKernel, select_kernel
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.
@@ -151,6 +151,31 @@ def test_flex_kernel_matches_the_torch_kernel_on_cpu(case):
     with torch.no_grad():
         reference = build({**CASES[case], "implementation": "torch"})(hidden, Batch(LENGTHS))
     torch.testing.assert_close(flex, reference, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("key_heads", [4, 2, 1])
+def test_batched_kernel_on_documents_of_one_length_matches_the_torch_kernel(causal, key_heads):
+    """The batched path (SDPA over [documents, heads, length, head_size]) is device-independent: checked here on the
+    CPU, forward and backward, against the masked torch kernel; other layouts take varlen's preparation."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [6, 6, 6]
+    query = torch.randn(18, 4, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(18, key_heads, 8, generator=generator, requires_grad=True) for _ in range(2))
+    segments = Segments.of(Batch(lengths))
+    batched, plain = KERNELS["batched"], KERNELS["torch"]
+    prepared = batched.prepare(segments, segments, causal, None)
+    assert "documents" in prepared
+    output = batched.attend(query, key, value, prepared, 0.3)
+    expected = plain.attend(query, key, value, plain.prepare(segments, segments, causal, None), 0.3)
+    torch.testing.assert_close(output, expected, atol=1e-6, rtol=1e-5)
+    gradient = torch.randn(output.shape, generator=generator)
+    actual = torch.autograd.grad(output, (query, key, value), gradient)
+    for got, wanted in zip(actual, torch.autograd.grad(expected, (query, key, value), gradient)):
+        torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-5)
+    mixed = Segments.of(Batch([5, 7, 6]))
+    assert "documents" not in batched.prepare(mixed, mixed, causal, None)
+    assert "documents" not in batched.prepare(segments, segments, causal, 3)
 
 
 def test_auto_picks_the_torch_kernel_on_cpu():

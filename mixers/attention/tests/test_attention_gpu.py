@@ -29,7 +29,7 @@ CASES = {
     "mqa-non-causal": {"heads": 4, "head_groups": 1, "head_size": 32, "causal": False, "softmax_scale": 0.3},
 }
 KERNEL_DTYPES = [("torch", torch.float32), ("torch", torch.bfloat16), ("flex", torch.float32)]
-KERNEL_DTYPES += [("flex", torch.bfloat16), ("varlen", torch.bfloat16)]
+KERNEL_DTYPES += [("flex", torch.bfloat16), ("varlen", torch.bfloat16), ("batched", torch.bfloat16)]
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 2e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 3e-2}}
 # Prefill prompts of different lengths, a chunk, then one token at a time.
@@ -49,6 +49,20 @@ def test_kernel_matches_the_cpu_path(case, implementation, dtype):
     )
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_batched_kernel_on_documents_of_one_length(case):
+    """The batched path (SDPA over [documents, heads, length, head_size]) where every document has one length."""
+    config = {**CASES[case], "window_size": None, "implementation": "batched"}
+    check_matches_layer(
+        build(config, single_process(SEED, backend="nccl"), hidden=HIDDEN),
+        build({**CASES[case], "window_size": None}, hidden=HIDDEN),
+        lengths=[64, 64, 64],
+        dtype=torch.bfloat16,
+        output_tolerance=OUTPUT_TOLERANCE[torch.bfloat16],
+        gradient_tolerance=GRADIENT_TOLERANCE[torch.bfloat16],
+    )
+
+
 @pytest.mark.parametrize(("implementation", "dtype"), [("varlen", torch.bfloat16), ("flex", torch.bfloat16)])
 def test_kv_cache_decoding_equals_the_full_forward(implementation, dtype):
     gpu = single_process(SEED, backend="nccl")
@@ -58,5 +72,5 @@ def test_kv_cache_decoding_equals_the_full_forward(implementation, dtype):
 
 def test_auto_picks_the_gpu_kernels():
     bf16 = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
-    assert select_kernel("auto", bf16) is KERNELS["varlen"], KERNELS["varlen"].unavailable(bf16)
+    assert select_kernel("auto", bf16) is KERNELS["batched"], KERNELS["batched"].unavailable(bf16)
     assert select_kernel("auto", bf16.float()) is KERNELS["torch"]

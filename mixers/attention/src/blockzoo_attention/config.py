@@ -168,11 +168,12 @@ class AttentionConfig(MixerConfig):
     )
     query_norm: NormalizationConfig | None = field(None, doc="Normalizes each query head (before rotary).")
     key_norm: NormalizationConfig | None = field(None, doc="Normalizes each key head (before rotary).")
-    implementation: Literal["auto", "torch", "varlen", "flex"] = field(
+    implementation: Literal["auto", "torch", "varlen", "batched", "flex"] = field(
         "auto",
         doc="Attention kernel. torch: SDPA with a block-diagonal mask (the CPU reference); varlen: torch's "
-        "flash varlen_attn (CUDA, bf16/fp16); flex: FlexAttention with a document mask (compiled on CUDA). "
-        "auto: on CUDA varlen where it can run (bf16/fp16), else torch; torch on the CPU.",
+        "flash varlen_attn (CUDA, bf16/fp16); batched: varlen, but when every document has one length (and no "
+        "window) SDPA over [documents, heads, length, head_size]; flex: FlexAttention with a document mask "
+        "(compiled on CUDA). auto: on CUDA batched where it can run (bf16/fp16), else torch; torch on the CPU.",
     )
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)

@@ -8,9 +8,11 @@ that may differ (generation: the keys are the cache's, the queries the new token
 
 - `torch`: SDPA with a dense block-diagonal mask. Runs anywhere; the reference the others are tested against.
 - `varlen`: torch's flash `varlen_attn` (CUDA, bf16/fp16, torch ≥ 2.11 for windows).
+- `batched`: `varlen`, but documents of one length (no window) go through SDPA as `[documents, heads, length,
+  head_size]`.
 - `flex`: FlexAttention with a document mask (compiled on CUDA; forward only on CPU).
 
-`auto` picks, on CUDA, varlen where it can run (bf16/fp16), else torch; on the CPU, torch. Measured on an H200
+`auto` picks, on CUDA, batched where it can run (bf16/fp16), else torch; on the CPU, torch. Measured on an H200
 (`benchmarks/attention_kernels.py`, bf16, forward+backward of 8-16k packed tokens): varlen 1.4-2.2 ms and flex
 within 20% of it, torch's masked SDPA 13-21x slower; flex also spends 8-13 ms building each batch's block mask,
 so `auto` never picks flex; it stays selectable with `implementation: flex` (decoding steps then use `auto`).
@@ -162,6 +164,29 @@ class VarlenKernel:
         return _VARLEN_ATTN(query, key, value, **options)
 
 
+class BatchedKernel(VarlenKernel):
+    """`varlen`, except when every document has one length, no window and queries and keys are the same tokens
+    (training on unpacked rows): then torch SDPA over `[documents, heads, length, head_size]`, where torch picks its
+    fastest fused kernel for the shape (cuDNN's on Hopper) rather than flash's varlen one."""
+
+    name = "batched"
+
+    def prepare(self, queries: Segments, keys: Segments, causal: bool, window: int | None) -> dict[str, Any]:
+        documents = len(queries.cu_seqlens) - 1
+        if queries is keys and window is None and documents * queries.max_length == len(queries.positions):
+            return {"documents": documents, "causal": causal}
+        return super().prepare(queries, keys, causal, window)
+
+    def attend(self, query, key, value, prepared: dict[str, Any], scale: float) -> torch.Tensor:
+        if "documents" not in prepared:
+            return super().attend(query, key, value, prepared, scale)
+        rows = [tensor.unflatten(0, (prepared["documents"], -1)).transpose(1, 2) for tensor in (query, key, value)]
+        output = F.scaled_dot_product_attention(
+            *rows, is_causal=prepared["causal"], scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+        )
+        return output.transpose(1, 2).flatten(0, 1)
+
+
 class FlexKernel:
     """FlexAttention with a document mask. Token counts are padded to a multiple of its block size: torch 2.11's
     compiled kernel failed to build for other lengths (NoValidChoicesError); padded rows and columns see nothing."""
@@ -211,9 +236,9 @@ def _padded(segments: Segments, multiple: int, document: int) -> Segments:
     )
 
 
-KERNELS = {kernel.name: kernel for kernel in (TorchKernel(), VarlenKernel(), FlexKernel())}
+KERNELS = {kernel.name: kernel for kernel in (TorchKernel(), VarlenKernel(), BatchedKernel(), FlexKernel())}
 # What `auto` tries, in order, on each device type.
-AUTO_ORDER = {"cuda": ("varlen", "torch")}
+AUTO_ORDER = {"cuda": ("batched", "torch")}
 DEFAULT_ORDER = ("torch",)
 
 
