@@ -9,6 +9,7 @@ bf16 keeps 8 bits of mantissa.
 
 import importlib
 import importlib.util
+import os
 import sys
 import time
 
@@ -96,6 +97,40 @@ def test_autotuning_is_bounded_by_default():
         for kernel in vars(module).values():
             if isinstance(kernel, Autotuner):
                 assert len(kernel.configs) <= kernels.autotune_limit(), kernel.base_fn.__name__
+
+
+# Run in a fresh process with an empty Triton cache: one forward+backward of the SSD scan and the convolution.
+_TUNE_ONCE = """
+import torch
+from blockzoo.layers.base import Batch
+from blockzoo.ssm import causal_conv1d, ssd_scan
+lengths = [300, 200]
+batch = Batch(lengths, device="cuda")
+x = torch.randn(500, 4, 32, device="cuda", requires_grad=True)
+dt = torch.rand(500, 4, device="cuda", requires_grad=True)
+B, C = (torch.randn(500, 1, 16, device="cuda", requires_grad=True) for _ in range(2))
+ssd_scan(x, dt, -torch.ones(4, device="cuda"), B, C, batch, chunk_size=64).sum().backward()
+xbc = torch.randn(500, 128, device="cuda", requires_grad=True)
+causal_conv1d(xbc, torch.randn(128, 4, device="cuda"), None, batch, activation="silu").sum().backward()
+torch.cuda.synchronize()
+"""
+
+
+def test_autotuning_results_are_cached_on_disk(tmp_path):
+    """The SSD kernels without pre-hooks and the convolution's kernels leave their autotuning results in Triton's
+    cache (read by later runs instead of benchmarking), where the installed triton can."""
+    import subprocess
+
+    from triton.runtime.autotuner import Autotuner
+
+    if not hasattr(Autotuner, "check_disk_cache"):
+        pytest.skip("this triton cannot cache autotuning results")
+    environment = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "BLOCKZOO_SSD_AUTOTUNE": "small"}
+    subprocess.run([sys.executable, "-c", _TUNE_ONCE], env=environment, check=True, timeout=600)
+    tuned = sorted({path.name for path in tmp_path.rglob("*.autotune.json")})
+    print(f"\nautotuning results cached: {tuned}")
+    assert "_conv_forward_kernel.autotune.json" in tuned and "_conv_backward_kernel.autotune.json" in tuned
+    assert any(name.startswith("_chunk") or name.startswith("_bmm") for name in tuned), tuned
 
 
 def test_generation_state_on_cuda_takes_the_torch_path():

@@ -674,8 +674,8 @@ def test_middle_configs_keep_the_configs_of_middle_tile_cost():
 
 
 def test_restrict_autotuning_trims_every_autotuned_kernel(monkeypatch):
-    # triton is not installed here: stand-ins with Triton's structure (an Autotuner keeps its configs in `configs`;
-    # wrappers such as heuristics keep the wrapped kernel in `fn`). The real kernels: test_ssm_gpu.py.
+    # Stand-ins with Triton's structure, whether triton is installed or not (an Autotuner keeps its configs in
+    # `configs`; wrappers such as heuristics keep the wrapped kernel in `fn`). The real kernels: test_ssm_gpu.py.
     class KernelInterface:
         def __init__(self, fn):
             self.fn = fn
@@ -703,3 +703,36 @@ def test_restrict_autotuning_trims_every_autotuned_kernel(monkeypatch):
     kernels.restrict_autotuning([module], 2)
     assert module.plain.configs == module.wrapped.fn.configs == configs[2:4]
     assert module.short.configs == configs[:1]
+    # A triton whose Autotuner cannot cache on disk (before 3.4) is left as it is.
+    assert kernels.cache_autotuning([module]) == 0 and not hasattr(module.plain, "cache_results")
+
+
+def _empty_kernel(x_pointer):  # the body of the real-triton autotuning tests' kernels (never launched)
+    pass
+
+
+def test_cache_autotuning_switches_every_autotuner_on(monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    configs = [triton.Config({"BLOCK": block}) for block in (16, 32)]
+
+    def autotuned(**options):
+        return triton.autotune(configs=configs, key=[], **options)(triton.jit(_empty_kernel))
+
+    module = types.ModuleType("ssd_fake")
+    module.plain, module.cached = autotuned(), autotuned(cache_results=True)
+    module.wrapped = triton.heuristics({"EXTRA": lambda arguments: 1})(autotuned())
+    module.unrelated = triton.jit(_empty_kernel)
+    module.alias = module.plain
+    assert not module.plain.cache_results and not module.wrapped.fn.cache_results
+    assert len(kernels.autotuners([module])) == 3
+    assert kernels.cache_autotuning([module]) == 2
+    assert module.plain.cache_results and module.wrapped.fn.cache_results and module.cached.cache_results
+
+
+def test_the_convolution_kernels_cache_their_autotuning():
+    pytest.importorskip("triton")
+    from blockzoo.ssm import triton_conv
+
+    assert kernels.autotuners([triton_conv]) == [triton_conv._forward_autotuned, triton_conv._backward_autotuned]
+    assert all(kernel.cache_results for kernel in kernels.autotuners([triton_conv]))

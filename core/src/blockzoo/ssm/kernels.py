@@ -8,7 +8,8 @@ mamba_ssm is absent.
 
 Autotuning: mamba_ssm's SSD kernels carry 4 to 11 Triton configs each; benchmarking them all made the first call
 take 76 s on an H200. Unless `BLOCKZOO_SSD_AUTOTUNE=full`, each kernel keeps only the configs of middle tile cost
-(`small`, the default: 2 per kernel; a number N: N per kernel). The change applies to the whole process.
+(`small`, the default: 2 per kernel; a number N: N per kernel). The change applies to the whole process. The
+results are also cached on disk between runs (Triton's `cache_results`, where the installed triton has it).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _chunk_scan_combined():
     limit = autotune_limit()
     if limit is not None:
         restrict_autotuning(modules, limit)
+    cache_autotuning(modules)
     return modules[-1].mamba_chunk_scan_combined
 
 
@@ -153,16 +155,43 @@ def autotune_limit(environ: dict[str, str] | None = None) -> int | None:
 
 def restrict_autotuning(modules: Iterable[types.ModuleType], limit: int) -> None:
     """Keep at most `limit` autotune configs in every Triton-autotuned kernel the modules define."""
+    for kernel in autotuners(modules):
+        if len(kernel.configs) > limit:
+            kernel.configs = middle_configs(kernel.configs, limit)
+
+
+def cache_autotuning(modules: Iterable[types.ModuleType]) -> int:
+    """Have every Triton-autotuned kernel the modules define keep its autotuning results on disk, in Triton's cache
+    (what `triton.autotune(cache_results=True)` or TRITON_CACHE_AUTOTUNING=1 do): a later process with the same
+    triton, GPU, kernel source, configs and tuning key reads the best config instead of benchmarking. Triton skips
+    the kernels whose configs carry pre-hooks (it cannot store them): those are still tuned in every process. A
+    triton without the option (before 3.4) is left as it is. Returns the number of kernels switched."""
+    from triton.runtime.autotuner import Autotuner
+
+    if not hasattr(Autotuner, "check_disk_cache"):
+        return 0
+    switched = 0
+    for kernel in autotuners(modules):
+        if not kernel.cache_results:
+            kernel.cache_results = True
+            switched += 1
+    return switched
+
+
+def autotuners(modules: Iterable[types.ModuleType]) -> list[Any]:
+    """The Triton `Autotuner`s the modules define, each once."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import KernelInterface
 
+    found = {}
     for module in modules:
         for kernel in vars(module).values():
             # An autotuned kernel may sit under other wrappers (heuristics); each keeps the next in `fn`.
             while isinstance(kernel, KernelInterface) and not isinstance(kernel, Autotuner):
                 kernel = getattr(kernel, "fn", None)
-            if isinstance(kernel, Autotuner) and len(kernel.configs) > limit:
-                kernel.configs = middle_configs(kernel.configs, limit)
+            if isinstance(kernel, Autotuner):
+                found[id(kernel)] = kernel
+    return list(found.values())
 
 
 def middle_configs(configs: Sequence[Any], limit: int) -> list[Any]:

@@ -83,7 +83,7 @@ def _preactivation(
 
 
 @triton.jit
-def _forward_kernel(
+def _conv_forward_kernel(
     x_pointer,
     weight_pointer,
     bias_pointer,
@@ -123,7 +123,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _conv_backward_kernel(
     x_pointer,
     weight_pointer,
     bias_pointer,
@@ -208,8 +208,8 @@ def _autotuned(kernel, configs):
     return triton.autotune(configs=configs, key=_TUNING_KEY, **options)(kernel)
 
 
-_forward_autotuned = _autotuned(_forward_kernel, _FORWARD_CONFIGS)
-_backward_autotuned = _autotuned(_backward_kernel, _BACKWARD_CONFIGS)
+_forward_autotuned = _autotuned(_conv_forward_kernel, _FORWARD_CONFIGS)
+_backward_autotuned = _autotuned(_conv_backward_kernel, _BACKWARD_CONFIGS)
 
 
 def _launch(plain, autotuned, grid, *arguments, **constants) -> None:
@@ -234,7 +234,7 @@ class _CausalConv1d(torch.autograd.Function):
                 return triton.cdiv(tokens, meta["BLOCK_T"]), triton.cdiv(channels, meta["BLOCK_C"])
 
             _launch(
-                _forward_kernel,
+                _conv_forward_kernel,
                 _forward_autotuned,
                 grid,
                 x,
@@ -271,7 +271,7 @@ class _CausalConv1d(torch.autograd.Function):
                 return programs, triton.cdiv(channels, meta["BLOCK_C"])
 
             _launch(
-                _backward_kernel,
+                _conv_backward_kernel,
                 _backward_autotuned,
                 grid,
                 x,
