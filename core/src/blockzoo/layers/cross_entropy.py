@@ -32,7 +32,7 @@ from blockzoo.layers.base import IGNORE_INDEX
 # A chunk's logits hold at most this many elements, per device type. On the CPU, beyond a few million elements
 # the time per token no longer drops while the fp32 temporaries keep growing; on CUDA larger chunks keep the
 # matmuls large (the GPU run tunes it).
-CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**28}
+CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**27}
 DEFAULT_CHUNK_ELEMENTS = 2**24
 
 # Compile the elementwise fp32 part of a chunk on CUDA (never on the CPU: no gain measured there, and the compile
