@@ -221,6 +221,25 @@ def test_causal_conv1d_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("scale_input", [True, False])
+def test_ssd_scan_time_step_on_cuda(scale_input):
+    """dt_bias, softplus and dt_limit computed inside the kernel (scale_input) or before it, against the torch path:
+    the output and the gradients of the raw dt and of dt_bias (some steps clamped, whose gradient is 0)."""
+    inputs = _inputs(LENGTHS)
+    generator = torch.Generator().manual_seed(10)
+    inputs["dt"] = torch.randn(sum(LENGTHS), 4, generator=generator) * 2 - 3  # softplus of it near 0.01 .. 0.5
+    dt_bias = torch.randn(4, generator=generator) * 0.5
+
+    def scan_with_time_step(x, dt, A, B, C, dt_bias, device):
+        batch = Batch(LENGTHS, device=device)
+        return ssd_scan(
+            x, dt, A, B, C, batch, chunk_size=CHUNK_SIZE, scale_input=scale_input, dt_bias=dt_bias, dt_softplus=True,
+            dt_limit=(0.02, 0.3),
+        )  # fmt: skip
+
+    _compare_on_cuda(scan_with_time_step, (*inputs.values(), dt_bias), torch.float32, 1e-2)
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
 def test_ssd_scan_skip_on_cuda(scale_input):
     inputs = _inputs(LENGTHS, dt_range=(0.01, 0.2) if scale_input else (0.2, 1.2))
     skip = torch.randn(4, 32, generator=torch.Generator().manual_seed(8))

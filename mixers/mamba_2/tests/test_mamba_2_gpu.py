@@ -1,6 +1,7 @@
-"""The Mamba 2 mixer on CUDA (the SSD scan through mamba_ssm's Triton kernels when installed) against the same mixer
-on the CPU path in fp32: outputs and gradients over packed documents, and bf16 within a loose tolerance; decoding
-on CUDA (the state path) against the full forward (the kernel path). Run on a GPU machine (skipped without CUDA).
+"""The Mamba 2 mixer on CUDA (the SSD scan through mamba_ssm's Triton kernels when installed, the time step computed
+inside it; the convolution through blockzoo's Triton kernels) against the same mixer on the CPU path in fp32:
+outputs and gradients over packed documents, and bf16 within a loose tolerance; decoding on CUDA (the state path)
+against the full forward (the kernel path). Run on a GPU machine (skipped without CUDA).
 
 Tolerances are relative errors ‖x − reference‖ / ‖reference‖ (those of core/tests/test_ssm_gpu.py): fp32 5e-3 for
 outputs and 1e-2 for gradients (mamba_ssm's kernels multiply fp32 in TF32, about 1e-3 each), bf16 3e-2 and 5e-2
@@ -38,6 +39,15 @@ CASES = {
         "d": RANDOM,
         "dt_limit": [0.01, 0.5],
         "add_linear_biases": True,
+    },
+    # The Triton convolution with 3 taps and no bias, groups of 4 (channels 64 + 2·4·8 = 128).
+    "kernel-3-no-conv-bias-4-groups": {
+        "heads": 8,
+        "head_size": 8,
+        "groups": 4,
+        "state_size": 8,
+        "chunk_size": 16,
+        "convolution": {"kernel_size": 3, "bias": {"enabled": False}},
     },
 }
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 5e-3}, torch.bfloat16: {"relative": 3e-2}}
