@@ -37,6 +37,7 @@ class RunConfig(Config):
                 f"training.recompute_blocks.{name}",
                 f"the model has no block named {name!r} (its blocks: {', '.join(sorted(names))})",
             )
+        self.distributed.check_pipeline(len(self.model.decoder.expanded_blocks()), self.training.gradient_accumulation)
         # Refuse a layout a layer cannot run before anything is built.
         needed = {
             TENSOR_PARALLEL: (self.distributed.tensor_parallel > 1, "distributed.tensor_parallel"),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
-from blockzoo.config import Config, check, configclass, field, greater_than
+from blockzoo.config import Config, ConfigFieldError, check, configclass, field, greater_than
 
 
 @configclass
@@ -21,7 +22,33 @@ class DistributedConfig(Config):
         False, doc="Also split activations along tokens between tensor-parallel ranks (no effect without TP)."
     )
     sequence_data_parallel: int = field(1, doc="Ranks that split each sequence's tokens.", validator=greater_than(0))
-    pipeline_parallel: int = field(1, doc="Pipeline stages.", validator=greater_than(0))
+    pipeline_parallel: int = field(
+        1,
+        doc="Ranks that split the block sequence into pipeline stages. Every optimizer step runs "
+        "`training.gradient_accumulation` micro-batches through the pipeline (its micro-batches per step).",
+        validator=greater_than(0),
+    )
+    pipeline_schedule: Literal["1f1b", "interleaved"] = field(
+        "1f1b",
+        doc="`1f1b`: one stage per pipeline rank, one forward and one backward in turn once the pipeline is full; "
+        "needs at least `pipeline_parallel` micro-batches per step. `interleaved`: "
+        "`pipeline_stages_per_rank` stages per rank, stage s on pipeline rank s % pipeline_parallel (a smaller "
+        "bubble for more communication); its micro-batches per step must be at least `pipeline_parallel` and a "
+        "multiple of their rounds (micro-batches // pipeline_parallel).",
+    )
+    pipeline_stages_per_rank: int = field(
+        1,
+        doc="Stages each pipeline rank holds: 1 with `1f1b`, 2 or more with `interleaved`.",
+        validator=greater_than(0),
+    )
+    pipeline_split: list[int] | None = field(
+        None,
+        doc="The block indices where stages 1, 2, ... begin (stage 0 begins at block 0), increasing: one fewer than "
+        "the stages (pipeline_parallel × pipeline_stages_per_rank); every stage holds at least one block, and a "
+        "pattern may be split anywhere. None: balanced by block count; the blocks that do not divide evenly go one "
+        "each to the middle stages, then to the first; never to the last stage, which also holds the head and the "
+        "loss (the first holds the embeddings, a lookup).",
+    )
     compute_dtype: Literal["fp32", "bf16"] = field(
         "fp32", doc="Dtype of the forward and backward passes (master weights stay fp32)."
     )
@@ -30,7 +57,35 @@ class DistributedConfig(Config):
     backend: Literal["auto", "nccl", "gloo"] = field("auto", doc="auto: nccl with CUDA, else gloo.")
 
     def __attrs_post_init__(self) -> None:
-        check(self.pipeline_parallel == 1, "pipeline_parallel", "pipeline parallelism is not implemented yet; use 1")
+        if self.pipeline_schedule == "1f1b":
+            check(
+                self.pipeline_stages_per_rank == 1,
+                "pipeline_stages_per_rank",
+                f"the 1f1b schedule runs one stage per rank, got {self.pipeline_stages_per_rank}; use "
+                "pipeline_schedule: interleaved for more",
+            )
+        else:
+            check(
+                self.pipeline_stages_per_rank >= 2,
+                "pipeline_stages_per_rank",
+                "the interleaved schedule runs 2 or more stages per rank; use pipeline_schedule: 1f1b for one",
+            )
+            check(self.pipeline_parallel > 1, "pipeline_schedule", "interleaved needs pipeline_parallel > 1")
+        if self.pipeline_split is not None:
+            check(self.pipeline_parallel > 1, "pipeline_split", "needs pipeline_parallel > 1")
+            check(
+                len(self.pipeline_split) == self.pipeline_stages - 1,
+                "pipeline_split",
+                f"{self.pipeline_stages} stages begin at {self.pipeline_stages - 1} block indices after block 0 "
+                f"(pipeline_parallel × pipeline_stages_per_rank - 1), got {len(self.pipeline_split)}",
+            )
+            starts = [0, *self.pipeline_split]
+            for index, (previous, start) in enumerate(itertools.pairwise(starts)):
+                check(
+                    start > previous,
+                    f"pipeline_split.{index}",
+                    f"stage {index + 1} must begin after block {previous} (every stage holds a block), got {start}",
+                )
         check(
             self.sequence_data_parallel == 1,
             "sequence_data_parallel",
@@ -40,6 +95,55 @@ class DistributedConfig(Config):
     @property
     def model_parallel(self) -> int:
         return self.tensor_parallel * self.sequence_data_parallel * self.pipeline_parallel
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Stages of the whole pipeline."""
+        return self.pipeline_parallel * self.pipeline_stages_per_rank
+
+    def stage_blocks(self, num_blocks: int) -> list[range]:
+        """The blocks of each pipeline stage, in order (see `pipeline_split`)."""
+        stages = self.pipeline_stages
+        if self.pipeline_split is not None:
+            starts = [0, *self.pipeline_split, num_blocks]
+        else:
+            size, remainder = divmod(num_blocks, stages)
+            sizes = [size] * stages
+            for stage in [*range(1, stages - 1), 0][:remainder]:  # the middle stages first, then the first
+                sizes[stage] += 1
+            starts = [0, *itertools.accumulate(sizes)]
+        return [range(start, end) for start, end in itertools.pairwise(starts)]
+
+    def check_pipeline(self, num_blocks: int, micro_batches: int) -> None:
+        """Refuse a pipeline the model's `num_blocks` or the step's `micro_batches` cannot fill (a
+        `ConfigFieldError` naming the field, relative to the run config)."""
+        if self.pipeline_parallel == 1:
+            return
+        stages = self.pipeline_stages
+        if self.pipeline_split is None:
+            check(
+                num_blocks >= stages,
+                "distributed.pipeline_parallel",
+                f"{stages} pipeline stages need at least {stages} blocks, the model has {num_blocks}",
+            )
+        elif self.pipeline_split[-1] >= num_blocks:
+            raise ConfigFieldError(
+                f"distributed.pipeline_split.{stages - 2}",
+                f"stage {stages - 1} begins at block {self.pipeline_split[-1]}, beyond the model's {num_blocks} blocks",
+            )
+        check(
+            micro_batches >= self.pipeline_parallel,
+            "training.gradient_accumulation",
+            f"the pipeline's micro-batches per step: {micro_batches} cannot fill {self.pipeline_parallel} pipeline "
+            f"ranks; give at least {self.pipeline_parallel}",
+        )
+        rounds = max(1, micro_batches // self.pipeline_parallel)
+        check(
+            self.pipeline_schedule != "interleaved" or micro_batches % rounds == 0,
+            "training.gradient_accumulation",
+            f"the interleaved schedule runs its {micro_batches} micro-batches per step in rounds of "
+            f"{micro_batches // rounds} ({rounds} rounds); give a multiple of {rounds}",
+        )
 
     @property
     def uses_sequence_tensor_parallel(self) -> bool:

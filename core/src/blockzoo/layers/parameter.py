@@ -53,6 +53,20 @@ def uninitialized(enabled: bool = True) -> Iterator[None]:
         _initializing.reset(token)
 
 
+_on_meta_device = contextvars.ContextVar("blockzoo_parameters_on_meta_device", default=False)
+
+
+@contextlib.contextmanager
+def on_meta_device(enabled: bool = True) -> Iterator[None]:
+    """Parameters made inside (when `enabled`) are on the meta device, taking no memory: build a whole model, keep
+    the parts this process runs (a pipeline stage) and `materialize` them."""
+    token = _on_meta_device.set(enabled or _on_meta_device.get())
+    try:
+        yield
+    finally:
+        _on_meta_device.reset(token)
+
+
 @attrs.frozen(kw_only=True)
 class ParameterMeta:
     """What a parameter is, beyond its values.
@@ -188,7 +202,7 @@ def create_parameter(
         data_parallel_dims=data_parallel_dims,
     )
     parameter = nn.Parameter(
-        torch.empty(local_shape, device=distributed.device if device is None else device),
+        torch.empty(local_shape, device=device or ("meta" if _on_meta_device.get() else distributed.device)),
         requires_grad=meta.requires_grad,
     )
     parameter.meta = meta
@@ -213,7 +227,8 @@ def initialize_parameter(parameter: nn.Parameter, distributed: Distributed) -> N
 
 
 def materialize(module: nn.Module, distributed: Distributed) -> None:
-    """Allocate on the run's device and initialize every parameter of `module` still on the meta device.
+    """Allocate on the run's device and initialize (unless `uninitialized()`) every parameter of `module` still on
+    the meta device.
 
     Replaces the parameter objects (`nn.Module.to_empty` would drop their `meta`); tied parameters stay tied.
     """
@@ -232,7 +247,8 @@ def materialize(module: nn.Module, distributed: Distributed) -> None:
 def _allocate(parameter: nn.Parameter, distributed: Distributed) -> nn.Parameter:
     allocated = nn.Parameter(torch.empty_like(parameter, device=distributed.device), parameter.requires_grad)
     allocated.meta = parameter.meta
-    initialize_parameter(allocated, distributed)
+    if _initializing.get():
+        initialize_parameter(allocated, distributed)
     return allocated
 
 
