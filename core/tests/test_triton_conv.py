@@ -150,6 +150,29 @@ def test_interpreter_matches_the_float64_loop():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_shifted_torch_formulation_matches_the_float64_loop():
+    """`shifted_causal_conv1d` (what torch.compile is measured on against the kernels) computes the same, in fp32."""
+    from blockzoo.ssm.conv import shifted_causal_conv1d
+    from blockzoo.ssm.scan import positions_in_batch
+
+    lengths = [5, 1, 9, 3]
+    generator = torch.Generator().manual_seed(1)
+    for kernel_size, activation in [(4, "silu"), (2, None)]:
+        tensors = [torch.randn(18, 8, generator=generator), torch.randn(8, kernel_size, generator=generator)]
+        tensors.append(torch.randn(8, generator=generator))
+        leaves = [tensor.double().requires_grad_() for tensor in tensors]
+        expected = reference_conv(*leaves, lengths, activation)
+        expected.sum().backward()
+        reference_grads = [leaf.grad for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        y = shifted_causal_conv1d(*leaves, positions_in_batch(Batch(lengths)), activation=activation)
+        y.sum().backward()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        for leaf, reference_grad in zip(leaves, reference_grads):
+            torch.testing.assert_close(leaf.grad, reference_grad, rtol=1e-5, atol=1e-5)
+
+
 def test_the_dispatch_rules():
     from blockzoo.ssm import conv
 
@@ -236,6 +259,7 @@ def test_speed_against_cudnn_and_torch_compile(monkeypatch):
     the cuDNN path (causal_conv1d's torch path on CUDA) and torch.compile of `shifted_causal_conv1d`, and checks
     that all three agree. The project keeps its kernel only where it beats torch.compile."""
     from blockzoo.ssm import conv
+    from blockzoo.ssm.scan import positions_in_batch
 
     lengths, channels, width = [2048] * 8, 2304, 4384
     batch = Batch(lengths, device="cuda")
@@ -244,7 +268,11 @@ def test_speed_against_cudnn_and_torch_compile(monkeypatch):
     weight = torch.randn(channels, 4, device="cuda", generator=generator) * 0.5
     bias = torch.randn(channels, device="cuda", generator=generator)
     output_grad = torch.randn(sum(lengths), channels, device="cuda", generator=generator).bfloat16()
-    compiled = torch.compile(conv.shifted_causal_conv1d)
+    compiled_conv = torch.compile(conv.shifted_causal_conv1d)
+    positions = positions_in_batch(batch)
+
+    def compiled(x, weight, bias, batch, *, activation):
+        return compiled_conv(x, weight, bias, positions, activation=activation)
 
     def step(function, backward=True):
         leaves = [t.detach().requires_grad_(backward) for t in (projected, weight, bias)]

@@ -7,12 +7,16 @@ the same kernels, so they share the choice).
 Both get fp32 parameters and bf16 activations: ours casts its weights (blockzoo's mixed precision), mamba_ssm's runs
 under autocast, as its training scripts do. Ours runs packed documents (`--sequences` documents of `--length`
 tokens, state reset at each boundary); mamba_ssm's gets them as a [sequences, length] batch.
+
+`--compare-convolutions` also times ours with its convolution taken by the cuDNN path (`causal_conv1d`'s torch path)
+and by `torch.compile` of `shifted_causal_conv1d` instead of blockzoo's Triton kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 
@@ -22,7 +26,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import MixerConfig
 from blockzoo.layers.dims import TensorDim
-from blockzoo.ssm import import_mamba_ssm
+from blockzoo.ssm import conv, import_mamba_ssm, layers
+from blockzoo.ssm.scan import positions_in_batch
 from blockzoo_mamba_2.mamba_2 import Mamba2
 
 
@@ -50,6 +55,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compare-convolutions", action="store_true", help="also time the other convolution paths")
     arguments = parser.parse_args()
 
     heads = arguments.expand * arguments.hidden // arguments.head_size
@@ -82,6 +88,16 @@ def main() -> None:
         ours(inputs, Batch(lengths, device="cuda")).backward(output_grad)
 
     results = {"ours (blockzoo mamba_2)": time_step(ours_step, arguments.steps, arguments.warmup)}
+    if arguments.compare_convolutions:
+        with mock.patch.object(conv, "uses_triton_kernel", lambda *args: False):
+            results["ours, cuDNN convolution"] = time_step(ours_step, arguments.steps, arguments.warmup)
+        compiled = torch.compile(conv.shifted_causal_conv1d)
+
+        def compiled_convolution(x, weight, bias, batch, *, activation=None, state=None):
+            return compiled(x, weight, bias, positions_in_batch(batch), activation=activation)
+
+        with mock.patch.object(layers, "causal_conv1d", compiled_convolution):
+            results["ours, torch.compile convolution"] = time_step(ours_step, arguments.steps, arguments.warmup)
     ours.to("meta")
 
     import_mamba_ssm()  # The project's one adapter (mamba_ssm 2.3.2's __init__ imports a compiled module).

@@ -83,15 +83,21 @@ def _int32_positions(batch: Batch) -> torch.Tensor:
 
 
 def shifted_causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch: Batch, *, activation: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    *,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """`causal_conv1d` without a state as the Triton kernels compute it, in torch ops: K shifted multiply-adds in
-    fp32, each tap masked where it would reach before its token's document. Not used by `causal_conv1d`: it is what
-    `torch.compile` is measured on against the kernels (core/tests/test_triton_conv.py, the Mamba 2 layer benchmark).
+    fp32, each tap masked where it would reach before its token's document (`positions`: each token's position in
+    its document, `positions_in_batch(batch)`). Not used by `causal_conv1d`: it is what `torch.compile` is measured
+    on against the kernels (core/tests/test_triton_conv.py, the Mamba 2 layer benchmark); tensors only, so a
+    compiled version does not recompile for each batch.
     """
-    _check(x, weight, bias, batch, activation, None)
     kernel_size = weight.shape[1]
-    positions = positions_in_batch(batch)[:, None]
+    positions = positions[:, None]
     weight = weight.float()
     total = x.new_zeros(x.shape, dtype=torch.float32) if bias is None else bias.float().expand(x.shape)
     for j in range(kernel_size):
