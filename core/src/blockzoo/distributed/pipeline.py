@@ -1,0 +1,364 @@
+"""Pipeline parallelism: the block sequence split into stages run by `torch.distributed.pipelining`.
+
+The stages are made of the model's own parts: the first holds the embeddings, every stage a contiguous range of
+blocks (`DistributedConfig.stage_blocks`: `pipeline_split`, or balanced), the last the head and the loss. A pipeline
+rank builds the whole model on the meta device, keeps its stages' parts and allocates only those
+(`build_pipeline_model`): the other parts become `RemotePart`s, which hold no parameters but still report their
+FLOPs. Parameter names stay those of the whole model, so checkpoints hold global tensors keyed as always.
+
+`Pipeline` runs a step's micro-batches through torch's schedules (`Schedule1F1B`, or `ScheduleInterleaved1F1B` with
+stage s on pipeline rank s % pipeline_parallel), composed with our tensor, sequence-tensor and expert parallelism
+inside each stage. Only tensors travel between stages: the hidden states `[tokens, hidden]` (this rank's token slice
+under sequence-tensor-parallel), and, to every stage, the micro-batch's index (a keyword argument), by which a stage
+finds the micro-batch's `Batch` (document lengths, positions: every pipeline rank reads the same micro-batches) and
+labels. Micro-batch shapes are static: every micro-batch has micro_batch_size × sequence_length tokens.
+
+The loss is computed on the last stage: the cross-entropy summed over labelled tokens times the step's weight (one
+over the labelled tokens of the step on all data ranks), plus the named losses of its layers (MoE router losses)
+times theirs (one over the step's micro-batches on all data ranks), as the trainer does without a pipeline. The
+named losses of the other stages reach the backward pass through their stage's output: `attach_losses` returns the
+hidden states unchanged and, in the backward pass, gives each loss the gradient of its weight (the trick Megatron
+uses for MoE auxiliary losses). Their values, and the cross-entropy, are summed over the pipeline ranks after the
+step, so every rank logs the same figures.
+
+Tied embedding and output weights: the first stage holds the embedding table, the last stage a copy of it as its
+output weight (`TIED_COPY`, under the embedding's name). After the backward pass their gradients are summed over
+the process group of the pipeline ranks holding stages 0 and S-1 (one group per data/tensor coordinate), so both
+copies take the same update; the gradient norm and the checkpoint count the first stage's only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import Batch
+from blockzoo.layers.parameter import materialize, on_meta_device
+from blockzoo.model.config import ModelConfig
+from blockzoo.model.language_model import LanguageModel, own_tokens
+
+# The name of the tied output weight's copy on the last stage (it is the first stage's embedding table).
+TIED_COPY = "embeddings.word_embeddings"
+
+
+# -- the stages --------------------------------------------------------------------------------------------------------
+
+
+def pipeline_rank(distributed: Distributed) -> int:
+    """This process's coordinate along the pipeline dim (0 without a pipeline)."""
+    return 0 if distributed.mesh is None else distributed.mesh.get_local_rank("pipeline")
+
+
+def local_stages(distributed: Distributed) -> list[int]:
+    """The stages this pipeline rank runs: s with s % pipeline_parallel == its rank (looped placement)."""
+    config = distributed.config
+    return [
+        stage
+        for stage in range(config.pipeline_stages)
+        if stage % config.pipeline_parallel == pipeline_rank(distributed)
+    ]
+
+
+class RemotePart(nn.Module):
+    """Stands in for a part of the model that another pipeline stage holds: no parameters, but the part's FLOPs."""
+
+    def __init__(self, name: str, stage: int, part: nn.Module | None = None):
+        super().__init__()
+        self.part_name, self.stage = name, stage
+        self._part = (part,)  # in a tuple: not a submodule, so its (meta) parameters are not this model's
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{self.part_name} is held by pipeline stage {self.stage}, not by this process: a pipelined model runs "
+            "through blockzoo.distributed.pipeline.Pipeline"
+        )
+
+    def flops(self, batch: Batch) -> tuple[int, int]:
+        return self._part[0].flops(batch)
+
+
+class _TiedCopy(nn.Module):
+    """The last stage's copy of a tied embedding table, under the embedding's name (`TIED_COPY`)."""
+
+    def __init__(self, word_embeddings: nn.Parameter):
+        super().__init__()
+        self.word_embeddings = word_embeddings
+
+
+def build_pipeline_model(config: ModelConfig, distributed: Distributed) -> LanguageModel:
+    """The model with only this pipeline rank's stages allocated (and initialized, unless `uninitialized()`)."""
+    with on_meta_device():
+        model = LanguageModel(config, distributed)
+    stage_blocks = distributed.config.stage_blocks(len(model.decoder))
+    stages = local_stages(distributed)
+    last = len(stage_blocks) - 1
+    for stage, blocks in enumerate(stage_blocks):
+        if stage not in stages:
+            for index in blocks:
+                model.decoder[index] = RemotePart(f"decoder.{index}", stage, model.decoder[index])
+    if 0 not in stages:
+        tied = config.tied_embedding_weight and last in stages
+        model.embeddings = _TiedCopy(model.embeddings.word_embeddings) if tied else RemotePart("embeddings", 0)
+    if last not in stages:
+        model.head = RemotePart("head", last)
+    materialize(model, distributed)
+    return model
+
+
+class StageModule(nn.Module):
+    """One pipeline stage made of the model's parts: (the embeddings,) its blocks (, the head and the loss).
+
+    Called as `stage(inputs, micro_batch=index)`: `inputs` are the micro-batch's tokens on the first stage, the
+    previous stage's hidden states on the others; `index` (a CPU tensor of one element) names the micro-batch.
+    Returns the hidden states, or on the last stage the micro-batch's weighted loss (shape [1]).
+    """
+
+    def __init__(self, model: LanguageModel, stage: int, blocks: range, num_stages: int, step: _StepState):
+        super().__init__()
+        self.stage = stage
+        self.embeddings = model.embeddings if stage == 0 else None
+        self.blocks = nn.ModuleDict({str(index): model.decoder[index] for index in blocks})
+        self.head = model.head if stage == num_stages - 1 else None
+        self._step = step
+
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
+        step = self._step
+        index = int(micro_batch)  # a CPU tensor: no device synchronization
+        batch, labels = step.micro_batches[index].batch, step.micro_batches[index].labels
+        hidden = inputs if self.embeddings is None else self.embeddings(inputs, batch)
+        known = set(batch.losses)
+        for block in self.blocks.values():
+            hidden = block(hidden, batch)
+        losses = {name: value for name, value in batch.losses.items() if name not in known}
+        step.record_named_losses(losses)
+        if self.head is None:
+            return attach_losses(hidden, list(losses.values()), step.named_loss_weight)
+        cross_entropy = self.head.loss(hidden, labels)
+        step.record_cross_entropy(cross_entropy)
+        loss = cross_entropy * step.cross_entropy_weight
+        for value in losses.values():
+            loss = loss + value * step.named_loss_weight
+        return loss.reshape(1)
+
+
+class _AttachLosses(torch.autograd.Function):
+    """`hidden` unchanged; in the backward pass each loss gets the gradient `weight` (its weight in the objective)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: Any, *losses: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.losses = [(loss.shape, loss.dtype, loss.device) for loss in losses]
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        weight = ctx.weight
+        grads = [torch.ones(shape, dtype=dtype, device=device) * weight for shape, dtype, device in ctx.losses]
+        return grad, None, *grads
+
+
+def attach_losses(hidden: torch.Tensor, losses: Sequence[torch.Tensor], weight: Any) -> torch.Tensor:
+    """`hidden`, through which the backward pass also reaches `losses`, each weighted by `weight` (a number or a
+    0-d tensor): for named losses of a stage whose output is not the loss."""
+    if not losses or not torch.is_grad_enabled():
+        return hidden
+    return _AttachLosses.apply(hidden, weight, *losses)
+
+
+# -- a step ------------------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PipelineMicroBatch:
+    """What a stage needs of one micro-batch: its tokens and labels (on the device) and its `Batch`. Any object with
+    these three attributes will do (the trainer's placed micro-batches)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    batch: Batch
+
+
+@attrs.define
+class _StepState:
+    """The step the stages run: its micro-batches and loss weights, and what the stages record of it."""
+
+    micro_batches: Sequence[PipelineMicroBatch] = ()
+    cross_entropy_weight: Any = 1.0
+    named_loss_weight: Any = 0.0
+    cross_entropy: list[torch.Tensor] = attrs.field(factory=list)
+    named_losses: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+    def record_cross_entropy(self, value: torch.Tensor) -> None:
+        self.cross_entropy.append(value.detach().float())
+
+    def record_named_losses(self, losses: dict[str, torch.Tensor]) -> None:
+        for name, value in losses.items():
+            value = value.detach().float()
+            self.named_losses[name] = self.named_losses[name] + value if name in self.named_losses else value
+
+
+@attrs.frozen
+class StepLosses:
+    """A step's figures, the same on every pipeline rank: the cross-entropy summed over the last stage's labelled
+    tokens of every micro-batch (this rank's tokens under sequence-tensor-parallel), and each named loss summed over
+    the micro-batches."""
+
+    cross_entropy: torch.Tensor
+    named: dict[str, torch.Tensor]
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # The last stage returns its weighted loss already; the schedules need a target (a placeholder) to call this.
+    return output.sum()
+
+
+class Pipeline:
+    """This pipeline rank's stages of a model built by `build_pipeline_model`, and the schedules that run them."""
+
+    def __init__(self, model: LanguageModel, distributed: Distributed):
+        config = distributed.config
+        if config.pipeline_parallel == 1 or distributed.mesh is None:
+            raise ValueError("a Pipeline needs distributed.pipeline_parallel > 1")
+        self.model = model
+        self.distributed = distributed
+        self.group = distributed.mesh.get_group("pipeline")
+        self.rank = pipeline_rank(distributed)
+        self.num_stages = config.pipeline_stages
+        self.stage_blocks = config.stage_blocks(len(model.decoder))
+        self.stages = local_stages(distributed)
+        self.holds_first, self.holds_last = 0 in self.stages, self.num_stages - 1 in self.stages
+        self._step = _StepState()
+        self.modules = [
+            StageModule(model, stage, self.stage_blocks[stage], self.num_stages, self._step) for stage in self.stages
+        ]
+        self.tied_group = self._tied_group() if model.config.tied_embedding_weight else None
+        # The names of parameters another stage also holds and counts (gradient norm, checkpoint).
+        self.copies = {TIED_COPY} if self.tied_group is not None and not self.holds_first else set()
+        self._schedules: dict[tuple[bool, int], Any] = {}
+        self._named_losses: list[str] | None = None  # the names of every stage's named losses, in one order
+
+    def _tied_group(self) -> dist.ProcessGroup | None:
+        """The group of the ranks holding the first and the last stage at this rank's data/tensor coordinate."""
+        ranks = self.distributed.mesh.mesh  # global ranks, shaped (pipeline, data, sequence_data, tensor)
+        last = (self.num_stages - 1) % self.distributed.config.pipeline_parallel
+        pairs = [[int(first), int(end)] for first, end in zip(ranks[0].flatten(), ranks[last].flatten())]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        return group
+
+    # -- running ---------------------------------------------------------------------------------------------------
+
+    def step(
+        self, micro_batches: Sequence[PipelineMicroBatch], *, cross_entropy_weight: Any, named_loss_weight: Any
+    ) -> StepLosses:
+        """Forward and backward passes of the step's micro-batches (gradients accumulate in the parameters; the tied
+        weight's are summed over its two stages); the losses as weighted are what the gradients are of."""
+        losses = self._run(micro_batches, training=True, weights=(cross_entropy_weight, named_loss_weight))
+        self._sum_tied_gradients()
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[PipelineMicroBatch]) -> torch.Tensor:
+        """The cross-entropy summed over the labelled tokens of `micro_batches` (this rank's under sequence-tensor-
+        parallel), on every pipeline rank."""
+        return self._run(micro_batches, training=False, weights=(1.0, 0.0)).cross_entropy
+
+    def _run(
+        self, micro_batches: Sequence[PipelineMicroBatch], *, training: bool, weights: tuple[Any, Any]
+    ) -> StepLosses:
+        count = len(micro_batches)
+        sizes = {len(micro.tokens) for micro in micro_batches}
+        if len(sizes) != 1:
+            raise ValueError(f"pipeline micro-batches must all have the same number of tokens, got {sorted(sizes)}")
+        step = self._step
+        step.micro_batches, (step.cross_entropy_weight, step.named_loss_weight) = micro_batches, weights
+        step.cross_entropy, step.named_losses = [], {}
+        schedule = self._schedule(training, count, sizes.pop())
+        args = (torch.cat([micro.tokens for micro in micro_batches]),) if self.holds_first else ()
+        # The target is a placeholder the schedules need on the last stage, which computed its loss itself.
+        target = torch.zeros(count, device=self.distributed.device) if self.holds_last else None
+        index = torch.arange(count)
+        try:
+            if training:
+                schedule.step(*args, target=target, micro_batch=index)
+            else:
+                schedule.eval(*args, target=target, micro_batch=index)
+            return self._gather(step)
+        finally:
+            step.micro_batches, step.cross_entropy, step.named_losses = (), [], {}
+
+    def _schedule(self, training: bool, count: int, tokens: int) -> Any:
+        """The schedule of `count` micro-batches of `tokens` tokens (made on first use; evaluation has its own
+        stages, since a stage keeps the buffers of the first schedule that ran it)."""
+        key = (training, count)
+        if key in self._schedules:
+            return self._schedules[key]
+        if training:
+            self.distributed.config.check_pipeline(len(self.model.decoder), count)
+        stages = [self._pipeline_stage(module, tokens) for module in self.modules]
+        options = {"loss_fn": _loss, "scale_grads": False}  # the loss is normalized already
+        if len(stages) == 1:
+            schedule = (Schedule1F1B if training else ScheduleGPipe)(stages[0], count, **options)
+        else:
+            schedule = (ScheduleInterleaved1F1B if training else ScheduleLoopedBFS)(stages, count, **options)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _pipeline_stage(self, module: StageModule, tokens: int) -> PipelineStage:
+        """torch's stage around `module`, told its input and output shapes (no shape inference at run time)."""
+        distributed = self.distributed
+        hidden_tokens = len(own_tokens(torch.empty(tokens, device="meta"), distributed))
+        hidden = torch.empty(
+            (hidden_tokens, self.model.config.hidden_size), dtype=distributed.compute_dtype, device="meta"
+        ).requires_grad_()
+        first, last = module.stage == 0, module.stage == self.num_stages - 1
+        inputs = torch.empty(tokens, dtype=torch.int64, device="meta") if first else hidden
+        outputs = torch.empty(1, dtype=torch.float32, device="meta").requires_grad_() if last else hidden
+        return PipelineStage(
+            module,
+            module.stage,
+            self.num_stages,
+            distributed.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.group,
+        )
+
+    def _gather(self, step: _StepState) -> StepLosses:
+        """The step's cross-entropy and named losses summed over the pipeline ranks (each stage knows its own)."""
+        device = self.distributed.device
+        if self._named_losses is None:  # The same every step: exchanged once.
+            names: list[list[str]] = [[] for _ in range(self.distributed.config.pipeline_parallel)]
+            dist.all_gather_object(names, sorted(step.named_losses), group=self.group)
+            self._named_losses = [name for rank_names in names for name in rank_names]
+        names = self._named_losses
+        missing = [name for name in step.named_losses if name not in names]
+        if missing:
+            raise RuntimeError(f"named losses {missing} appeared after the first step; every step must add the same")
+        values = torch.zeros(1 + len(names), device=device)
+        if step.cross_entropy:
+            values[0] = torch.stack(step.cross_entropy).sum()
+        for position, name in enumerate(names, start=1):
+            if name in step.named_losses:
+                values[position] = step.named_losses[name]
+        dist.all_reduce(values, group=self.group)
+        return StepLosses(cross_entropy=values[0], named=dict(zip(names, values[1:])))
+
+    def _sum_tied_gradients(self) -> None:
+        if self.tied_group is None:
+            return
+        weight = self.model.embeddings.word_embeddings
+        if weight.grad is not None:
+            dist.all_reduce(weight.grad, group=self.tied_group)
