@@ -1,0 +1,181 @@
+"""Suite `moe`: an MoE layer's forward + backward, ours against transformers' sparse-MoE blocks built by transformers.
+
+    python benchmarks/moe.py [--cases mixtral qwen3-8192 qwen3-32768] [--steps 10] [--warmup 3] [--json PATH] [--tiny]
+
+Cases: `mixtral` (8192 tokens, hidden 4096, ffn 14336, 8 experts top-2) against `MixtralSparseMoeBlock`;
+`qwen3-8192` and `qwen3-32768` (128 experts top-8, hidden 2048, expert ffn 768, Qwen3-30B-A3B's layer) against
+`Qwen3MoeSparseMoeBlock`. Ours: blockzoo-moe with fp32 master weights cast to bf16 in the layer, bf16
+activations. Each transformers block runs in every experts implementation transformers offers here (`grouped_mm`,
+`batched_mm`, `eager`; the one a model of the family gets by default is named in the case's notes), with fp32
+weights under bf16 autocast (as in training) and with bf16 weights; and with liger-kernel's experts
+(`LigerExperts`, its fused Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` /
+`apply_liger_kernel_to_qwen3_moe` with their defaults, undone after). Our weights are copied into each block and its
+output compared to ours (relative L2 difference: the routers' top-k may differ on near ties, ours routes in fp32);
+parameter counts asserted equal. TFLOP/s on the active experts (`shapes.moe_layer_flops`).
+Target (issue 11): ours ≥ 1.3× the fastest peer at each shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/moe.py`: see llama.py
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch
+
+from benchmarks import harness, shapes
+
+SUITE = "moe"
+CASES = {
+    "mixtral": shapes.MIXTRAL,
+    "qwen3-8192": shapes.QWEN3_MOE,
+    "qwen3-32768": shapes.MoEShape(tokens=32768, hidden=2048, ffn=768, experts=128, top_k=8, family="qwen3_moe"),
+}
+TINY = {
+    "mixtral": shapes.MOE_TINY,
+    "qwen3-8192": shapes.MoEShape(tokens=64, hidden=32, ffn=16, experts=8, top_k=4, family="qwen3_moe"),
+    "qwen3-32768": shapes.MoEShape(tokens=128, hidden=32, ffn=16, experts=8, top_k=4, family="qwen3_moe"),
+}
+IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+LIGER = {"mixtral": "apply_liger_kernel_to_mixtral", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
+
+
+@contextlib.contextmanager
+def liger_experts(family: str):
+    """transformers' `family` modeling with liger-kernel applied (its defaults: the experts become `LigerExperts`)."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as error:
+        raise harness.Absent(f"liger-kernel does not import: {error}") from None
+    apply = getattr(liger, LIGER[family], None)
+    if apply is None:
+        raise harness.Absent(f"this liger-kernel has no {LIGER[family]}")
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    with harness.restored(modeling):
+        apply()
+        yield
+
+
+class Suite:
+    def __init__(self, arguments, device: torch.device, runner: harness.Runner):
+        self.arguments, self.device, self.runner = arguments, device, runner
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.weights: dict[str, torch.Tensor] | None = None  # ours, in transformers' names, on the CPU
+        self.output: torch.Tensor | None = None  # ours, on the CPU
+
+    def time(self, step) -> harness.Timing:
+        return harness.time_steps(step, warmup=self.arguments.warmup, steps=self.arguments.steps, device=self.device)
+
+    def run(self, name: str) -> None:
+        shape = (TINY if self.arguments.tiny else CASES)[name]
+        fields = ("tokens", "hidden", "ffn", "experts", "top_k")
+        case = harness.Case(
+            SUITE,
+            name,
+            shape={field: getattr(shape, field) for field in fields},
+            tokens=shape.tokens,
+            flops=shapes.moe_layer_flops(shape),
+        )
+        self.weights = self.output = None
+        try:
+            case.notes.append(
+                f"transformers' default experts implementation: {shapes.default_experts_implementation(shape)}"
+            )
+            with torch.device("meta"):
+                count = shapes.parameter_count(shapes.transformers_moe_block(shape))
+            ours_count = shapes.parameter_count(
+                shapes.our_layer(
+                    shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False
+                )
+            )
+            if count != ours_count:
+                raise ValueError(f"transformers' block has {count} parameters, ours {ours_count}")
+            case.notes.append(f"{count} parameters each")
+        except Exception as error:  # noqa: BLE001 - a note; the contenders still run
+            case.notes.append(f"could not check the block: {harness.first_line(error)}")
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        hidden = torch.randn(shape.tokens, shape.hidden, device=self.device, generator=generator).to(self.dtype)
+        output_grad = torch.randn_like(hidden)
+        self.runner.run(case, "ours (blockzoo moe)", lambda: self.ours(shape, hidden, output_grad), ours=True)
+        family = "Mixtral" if shape.family == "mixtral" else "Qwen3-MoE"
+        for precision in ("fp32 + autocast", "bf16 weights"):
+            for implementation in IMPLEMENTATIONS:
+                self.runner.run(
+                    case,
+                    f"transformers {family} block, {implementation}, {precision}",
+                    lambda i=implementation, p=precision: self.transformers(shape, hidden, output_grad, i, p),
+                )
+        self.runner.run(
+            case,
+            f"transformers {family} block + liger-kernel experts, bf16 weights",
+            lambda: self.transformers(shape, hidden, output_grad, None, "bf16 weights", liger=True),
+        )
+        self.runner.finish(case)
+
+    def ours(self, shape: shapes.MoEShape, hidden: torch.Tensor, output_grad: torch.Tensor) -> harness.Timing:
+        from blockzoo.layers.base import Batch
+
+        layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device=self.device.type)
+        weights = shapes.moe_to_transformers(dict(layer.named_parameters()), shape)
+        self.weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
+
+        def step() -> torch.Tensor:
+            inputs = hidden.detach().requires_grad_()
+            output = layer(inputs, Batch([shape.tokens], device=self.device))
+            output.backward(output_grad)
+            return output.detach()
+
+        timing = self.time(step)
+        self.output = timing.first_value.float().cpu()
+        return timing
+
+    def transformers(
+        self,
+        shape: shapes.MoEShape,
+        hidden: torch.Tensor,
+        output_grad: torch.Tensor,
+        implementation: str | None,
+        precision: str,
+        *,
+        liger: bool = False,
+    ) -> harness.Timing:
+        with liger_experts(shape.family) if liger else contextlib.nullcontext():
+            with torch.device(self.device):
+                block = shapes.transformers_moe_block(shape, implementation)
+            if self.weights is not None:
+                shapes.load_into(block, self.weights)
+            autocast = precision == "fp32 + autocast"
+            if not autocast:
+                block = block.to(self.dtype)
+
+            def step() -> torch.Tensor:
+                inputs = hidden.detach().view(1, *hidden.shape).requires_grad_()
+                with torch.autocast(self.device.type, dtype=self.dtype, enabled=autocast):
+                    output = block(inputs)
+                output = output[0] if isinstance(output, tuple) else output
+                output.backward(output_grad.view_as(output))
+                return output.detach()
+
+            timing = self.time(step)
+        if self.output is not None:
+            theirs = timing.first_value.float().cpu().view_as(self.output)
+            timing.extra["output Δrel to ours"] = float((theirs - self.output).norm() / self.output.norm())
+        return timing
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    command = harness.parser(__doc__, list(CASES), default_cases=list(CASES), steps=10, warmup=3)
+    arguments, device = harness.parse(command, argv)
+    command_line = sys.argv if argv is None else ["benchmarks/moe.py", *argv]
+    suite = Suite(arguments, device, harness.Runner(SUITE, device, arguments.json, command_line))
+    for case in arguments.cases:
+        suite.run(case)
+
+
+if __name__ == "__main__":
+    main()

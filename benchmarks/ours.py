@@ -1,0 +1,153 @@
+"""Our side of a training-step case: the run config of a setting, the model as the trainer builds it, the bare step.
+
+A setting is what `--ours` takes: `compile=blocks,recompute=selective` (keys without a dot are `training.` fields;
+dotted keys are paths from the run config's root, e.g. `training.recompute_blocks.attn=full`), or `default`. A
+setting this blockzoo does not know makes the contender absent (the config names the field), not the run fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from benchmarks.harness import Absent
+
+
+def overrides(setting: str) -> list[str]:
+    """`key=value` overrides of a setting, each a path from the run config's root."""
+    if setting.strip() in ("", "default"):
+        return []
+    found = []
+    for item in setting.split(","):
+        key, separator, value = item.strip().partition("=")
+        if not separator or not key:
+            raise ValueError(f"a setting is key=value[,key=value...], got {item!r} in {setting!r}")
+        found.append(f"{key if '.' in key else 'training.' + key}={value}")
+    return found
+
+
+def contender_name(setting: str) -> str:
+    return f"ours ({setting.strip() or 'default'})"
+
+
+def run_config(model: Mapping[str, Any], setting: str, *, rows: int, length: int, seed: int = 1234):
+    """The RunConfig of `model` in bf16 (fp32 master weights) with `setting` applied; random data of `rows` ×
+    `length` (what the trainer suite feeds the Trainer; the bare step takes its tokens directly)."""
+    from blockzoo.config import ConfigError, merge, parse_overrides, structure
+    from blockzoo.run_config import RunConfig
+
+    base = {
+        "model": dict(model),
+        "distributed": {"compute_dtype": "bf16", "seed": seed},
+        "data": {"type": "random", "sequence_length": length, "micro_batch_size": rows},
+    }
+    try:
+        return structure(merge(base, parse_overrides(overrides(setting))), RunConfig)
+    except ConfigError as error:
+        raise Absent(f"this blockzoo refuses the setting {setting!r}: {error}") from None
+
+
+def uses_policies(config) -> bool:
+    training = config.training
+    return (
+        getattr(training, "compile", "none") != "none"
+        or getattr(training, "recompute", "none") != "none"
+        or any(policy != "none" for policy in getattr(training, "recompute_blocks", {}).values())
+    )
+
+
+def build(config):
+    """(model, optimizer) as the trainer makes them: the model from the seed, `parallelize` (recomputation, compile)
+    applied from outside, the configured optimizer (ours: AdamW)."""
+    import blockzoo
+    from blockzoo.distributed.runtime import Distributed
+    from blockzoo.plugins import get_registry
+
+    try:
+        from blockzoo.distributed.parallelize import parallelize
+    except ImportError:
+        if uses_policies(config):
+            raise Absent("blockzoo.distributed.parallelize is absent: cannot apply compile/recompute") from None
+        parallelize = None
+    torch.manual_seed(config.distributed.seed)
+    model = blockzoo.build(config, distributed=Distributed(config.distributed))
+    if parallelize is not None:
+        model = parallelize(model, config) or model
+    optimizer_class = get_registry().implementation_of(config.training.optimizer)
+    return model, optimizer_class(config.training.optimizer, model.parameters())
+
+
+def next_token_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Labels of `[rows, length]` tokens packed row after row: each token's next one in its row, -100 at a row's end
+    (what transformers' `labels=input_ids` computes: rows × (length - 1) predictions)."""
+    labels = torch.full_like(tokens, -100)
+    labels[:, :-1] = tokens[:, 1:]
+    return labels.flatten()
+
+
+def bare_step(model, optimizer, tokens: torch.Tensor):
+    """One optimizer step of `model` on `tokens` `[rows, length]` (one document per row) without the trainer: the
+    loss, the backward pass, the optimizer. Returns a function that runs it and returns the mean loss (a tensor)."""
+    from blockzoo.layers.base import Batch
+
+    rows, length = tokens.shape
+    flat, labels = tokens.flatten(), next_token_labels(tokens)
+    labelled = rows * (length - 1)
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy, losses = model.loss(flat, labels, Batch([length] * rows, device=tokens.device))
+        total = cross_entropy / labelled + sum(losses.values(), torch.zeros((), device=tokens.device))
+        total.backward()
+        optimizer.step()
+        return cross_entropy.detach() / labelled
+
+    return step
+
+
+@torch.no_grad()
+def reference_loss(model, tokens: torch.Tensor, rows_per_call: int = 4) -> float:
+    """The mean next-token loss of `model` (ours, no policy applied) over `tokens`, a few rows at a time (no
+    gradient: the peers' and our settings' step-0 losses are compared to it)."""
+    from blockzoo.layers.base import Batch
+
+    rows, length = tokens.shape
+    total = 0.0
+    for start in range(0, rows, rows_per_call):
+        part = tokens[start : start + rows_per_call]
+        batch = Batch([length] * len(part), device=tokens.device)
+        cross_entropy, _ = model.loss(part.flatten(), next_token_labels(part), batch)
+        total += float(cross_entropy)
+    return total / (rows * (length - 1))
+
+
+def random_tokens(rows: int, length: int, vocab: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, vocab, (rows, length), device=device, generator=generator)
+
+
+def reference(model: Mapping[str, Any], tokens: Mapping[str, torch.Tensor], convert) -> tuple[dict, dict[str, float]]:
+    """Our model as built from the seed (what every setting starts from): its initial weights converted by
+    `convert(named parameters)` into a peer's names and copied to the CPU (to load into each peer), and its loss on
+    each case's `tokens` before any step (what each contender's step-0 loss is compared to)."""
+    built, _ = build(run_config(model, "default", rows=1, length=1))
+    try:
+        converted = convert(dict(built.named_parameters()))
+        weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in converted.items()}
+        losses = {case: reference_loss(built, case_tokens) for case, case_tokens in tokens.items()}
+    finally:
+        del built
+    return weights, losses
+
+
+def loss_check(loss: torch.Tensor | None, reference: float | None, tolerance: float) -> dict[str, Any]:
+    """A contender's step-0 loss and its relative difference to our model's (`loss0 ok`: within `tolerance`)."""
+    if loss is None:
+        return {}
+    value = float(loss)
+    if reference is None:
+        return {"loss0": value}
+    difference = abs(value - reference) / abs(reference)
+    return {"loss0": value, "loss0 Δrel": difference, "loss0 ok": difference <= tolerance}
