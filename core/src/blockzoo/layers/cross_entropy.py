@@ -168,7 +168,9 @@ def _chunked(
     targets = labels - options.vocab_start  # the target's column among this rank's, -1 when not here
     targets = torch.where(labelled & (targets >= 0) & (targets < valid), targets, -1)
     token_losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if hidden_gradient else None
+    grad_hidden = None
+    if hidden_gradient:  # a rank of padding rows only contributes nothing to it
+        grad_hidden = torch.empty_like(hidden) if valid else torch.zeros_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_gradient else None
     gradients = hidden_gradient or weight_gradient
     statistics, softmax_gradient, loss_and_gradient = _elementwise(hidden.device)
@@ -189,7 +191,7 @@ def _chunked(
             if options.group is not None:
                 lse, target = _combine(lse, target, options.group)
             gradient = None
-            if gradients:
+            if gradients and valid:
                 gradient = softmax_gradient(logits, _ignored_to_inf(lse, chunk_labelled), chunk_targets)
         del logits
         token_losses[start:end] = torch.where(chunk_labelled, lse - target, 0.0)
