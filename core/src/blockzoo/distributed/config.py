@@ -55,6 +55,16 @@ class DistributedConfig(Config):
     seed: int = field(1234, doc="Seed of initialization, data sampling and dropout.")
     timeout: float = field(600.0, doc="Seconds a collective may wait before the run fails.", validator=greater_than(0))
     backend: Literal["auto", "nccl", "gloo"] = field("auto", doc="auto: nccl with CUDA, else gloo.")
+    debug: bool = field(
+        False,
+        doc=(
+            "Check that the tensor-parallel ranks agree, slowly (a collective or two per checked tensor: for finding "
+            "bugs, not for training): every activation that should be the same on all of them (forward) and the "
+            "gradient flowing through it (backward), in execution order, the first difference stopping the run "
+            "with the module's path, the direction, the ranks and the difference; after each optimizer step, every "
+            "parameter (and gradient) that should be replicated over the tensor or data group."
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.pipeline_schedule == "1f1b":
