@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import blockzoo.checkpoint
+import blockzoo.safetensors_io
 from blockzoo import __version__
 from blockzoo.api import MLPConfig, configclass, field, hookimpl
 from blockzoo.checkpoint import (
@@ -319,11 +320,10 @@ def test_a_failed_save_leaves_the_last_checkpoint(tmp_path, monkeypatch):
     save(tmp_path / "step_1", model, optimizer, step=1)
     good = _weights(tmp_path / "step_1")
 
-    def disk_full(tensors, path, *args, **kwargs):
-        Path(path).write_bytes(b"\x00" * 10)  # Part of a file, then the failure.
+    def disk_full(writer, name, tensor):  # Part of a file is written, then the failure.
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(blockzoo.checkpoint, "save_file", disk_full)
+    monkeypatch.setattr(blockzoo.safetensors_io.SafetensorsWriter, "write", disk_full)
     train(model, optimizer, 1)
     with pytest.raises(OSError, match="No space left on device"):
         save(tmp_path / "step_2", model, optimizer, step=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from blockzoo_huggingface.safetensors_io import SafetensorsWriter
+from blockzoo.safetensors_io import SafetensorsWriter
 
 MB = 2**20
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 512, 1536, 12, 8192

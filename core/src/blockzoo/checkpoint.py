@@ -14,11 +14,15 @@ A checkpoint is a directory:
 - `origin/` (when the model was imported from another format): copies of that checkpoint's files other than its
   weights (`blockzoo.conversion.Origin`: its config, tokenizer, generation settings), for exports to give back.
 
-No pickle: tensors go to safetensors, everything else to YAML. Rank 0 writes, after the ranks gathered
-the global tensors, into a temporary directory beside the target that is then renamed, so a crash
-mid-save leaves the previous checkpoint as it was. Loading, each rank takes its own shard of every
-global tensor, so any parallel layout loads a checkpoint of any other (experts split over the data group by
-expert parallelism are gathered over it for saving, and each data rank takes its experts when loading).
+No pickle: tensors go to safetensors, everything else to YAML. Saving streams the tensors: the ranks gather one
+global tensor at a time (FSDP shards over the data ranks, tensor-parallel shards over the tensor ranks, experts of
+expert parallelism over the data ranks), its writer puts it at its place in the file, and it is freed, so no rank
+holds a whole model. Rank 0 makes the files, sized with their headers, in a temporary directory beside the target;
+each tensor is written by the first rank (tensor, data rank 0) of the first pipeline stage holding it, so that the
+stages of a pipeline write their own tensors into the one file (the checkpoint directory must then be on a file
+system all writing ranks see, as for any checkpoint of a run over several machines). Rank 0 then writes the YAML
+files and renames the directory, so a crash mid-save leaves the previous checkpoint as it was. Loading, each rank
+takes its own shard of every global tensor, so any parallel layout loads a checkpoint of any other.
 """
 
 from __future__ import annotations
@@ -36,15 +40,16 @@ import torch.distributed as dist
 import yaml
 from packaging.version import InvalidVersion, Version
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from blockzoo import __version__
 from blockzoo.config import Config, PolymorphicConfig, to_yaml
 from blockzoo.conversion import Origin
-from blockzoo.distributed.runtime import Distributed
+from blockzoo.distributed.data_parallel import shard_like, whole
+from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.errors import UsageError
 from blockzoo.plugins import get_registry
+from blockzoo.safetensors_io import SafetensorsWriter
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"
@@ -80,7 +85,12 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     origin: Origin | None = None,
 ) -> Path:
-    """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it; rank 0 writes.
+    """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it.
+
+    The tensors are streamed: each is gathered to its global shape (over the data ranks for FSDP shards and
+    experts, over the tensor ranks for tensor-parallel ones), written at its place in the file and freed, so no rank
+    ever holds more than one global tensor. The first rank of the first pipeline stage holding a tensor writes it;
+    rank 0 makes the files (their layout merged over the pipeline stages) and the YAML files.
 
     `data_state` is the data position, `extra` any other trainer state: plain YAML data (numbers, strings,
     lists, mappings, bytes); `origin`, the files of the checkpoint the model was imported from, copied into
@@ -103,41 +113,41 @@ def save_checkpoint(
         "the checkpoint metadata (data_state, extra)",
     )
     config = to_yaml(run_config)
-    writer = distributed.rank == 0
-    weights = _gather_weights(model, distributed, keep=writer)
-    optimizer_state = (
-        None if optimizer is None else _gather_optimizer_state(directory, model, optimizer, distributed, keep=writer)
-    )
+    tensors = {MODEL_FILE: dict(_weights_of(model))}
+    if optimizer is not None:
+        tensors[OPTIMIZER_FILE] = dict(_optimizer_state_of(directory, model, optimizer))
+    layouts = {file: _layout(entries, distributed) for file, entries in tensors.items()}
+    temporary = directory.parent / f".{directory.name}.partial"
     failure: BaseException | None = None
-    if writer:
+    if distributed.rank == 0:
         try:
-            _write(
-                directory,
-                config=config,
-                metadata=metadata,
-                weights=weights,
-                optimizer_state=optimizer_state,
-                origin=origin,
-            )
+            _prepare(directory, temporary)
         except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
             failure = error
-    _share_outcome(distributed, failure, directory)
+    _agree(distributed, failure, directory)
+    failure = _stream(temporary, tensors, layouts, distributed)
+    _agree(distributed, failure, directory, cleanup=temporary)
+    if distributed.rank == 0:
+        try:
+            _finish(directory, temporary, config=config, metadata=metadata, origin=origin)
+        except BaseException as error:  # noqa: BLE001
+            failure = error
+    _agree(distributed, failure, directory, cleanup=temporary)
     return directory
 
 
-def _gather_weights(model: nn.Module, distributed: Distributed, *, keep: bool) -> dict[str, torch.Tensor]:
-    weights = {}
+# A tensor to write: (its parameter, this rank's part of it, the global dtype and shape).
+_Entry = tuple[nn.Parameter, torch.Tensor, torch.dtype, tuple[int, ...]]
+
+
+def _weights_of(model: nn.Module) -> Iterator[tuple[str, _Entry]]:
     for name, parameter in model.named_parameters():
-        tensor = _to_global(parameter.detach(), parameter, distributed)
-        if keep:
-            weights[name] = tensor
-    return weights
+        yield name, (parameter, parameter.detach(), parameter.dtype, _global_shape(parameter))
 
 
-def _gather_optimizer_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: Distributed, *, keep: bool
-) -> dict[str, torch.Tensor]:
-    tensors = {}
+def _optimizer_state_of(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> Iterator[tuple[str, _Entry]]:
     for name, parameter in model.named_parameters():
         for key, value in optimizer.state.get(parameter, {}).items():
             if not isinstance(value, torch.Tensor) or value.shape not in (parameter.shape, torch.Size()):
@@ -146,15 +156,92 @@ def _gather_optimizer_state(
                     f"optimizer state {key!r} of parameter {name!r} is {_describe(value)}; only scalars and tensors "
                     f"shaped like the parameter {tuple(parameter.shape)} can be saved",
                 )
-            tensor = _to_global(value, parameter, distributed) if value.ndim else value.cpu()
-            if keep:
-                tensors[f"{name}/{key}"] = tensor
-    return tensors
+            shape = _global_shape(parameter) if value.ndim else ()
+            yield f"{name}/{key}", (parameter, value, value.dtype, shape)
+
+
+@attrs.frozen
+class _Layout:
+    """A file's tensors (name → dtype, global shape) in file order, and those this rank writes."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    writes: frozenset[str]
+
+
+def _layout(entries: Mapping[str, _Entry], distributed: Distributed) -> _Layout:
+    """The file's layout: this rank's tensors, and under pipeline parallelism those of every stage (each tensor is
+    written by the first rank of the first stage holding it, e.g. a weight tied between the first and last)."""
+    mine = {name: (dtype, shape) for name, (_, _, dtype, shape) in entries.items()}
+    stage_writer = distributed.tensor_rank == 0 and distributed.data_rank == 0 and distributed.sequence_data_rank == 0
+    if distributed.config.pipeline_parallel == 1:
+        return _Layout(mine, frozenset(mine) if stage_writer else frozenset())
+    stages: list[Any] = [None] * distributed.config.pipeline_parallel
+    # Names, dtypes and shapes only (plain data between our own processes).
+    dist.all_gather_object(stages, mine, group=distributed.pipeline_group)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    holder: dict[str, int] = {}
+    for stage, layout in enumerate(stages):
+        for name, entry in layout.items():
+            tensors.setdefault(name, entry)
+            holder.setdefault(name, stage)
+    writes = {name for name in mine if holder[name] == distributed.pipeline_rank} if stage_writer else set()
+    return _Layout(tensors, frozenset(writes))
+
+
+def _prepare(directory: Path, temporary: Path) -> None:
+    if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
+        raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    if temporary.exists():  # Left by a save that crashed.
+        shutil.rmtree(temporary)
+    temporary.mkdir()
+    for file in (MODEL_FILE, OPTIMIZER_FILE):
+        (temporary / file).unlink(missing_ok=True)
+
+
+def _stream(
+    temporary: Path,
+    tensors: Mapping[str, Mapping[str, _Entry]],
+    layouts: Mapping[str, _Layout],
+    distributed: Distributed,
+) -> BaseException | None:
+    """Gather every tensor (all ranks, in one order) and write those this rank writes: rank 0 makes each file with
+    its header (the ranks agreed that the directory is ready before), the other writers open it. A failure to write
+    stops the writing, not the gathering, so that no rank waits forever in a collective; it is returned."""
+    failure: BaseException | None = None
+    writers: dict[str, SafetensorsWriter] = {}
+    try:
+        for file, layout in layouts.items():
+            if distributed.rank == 0 or layout.writes:
+                writers[file] = SafetensorsWriter(
+                    temporary / file, layout.tensors, create=distributed.rank == 0, writes=layout.writes
+                )
+    except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+        failure = error
+    for file, entries in tensors.items():
+        for name, (parameter, value, _, _) in entries.items():
+            tensor = _to_global(value, parameter, distributed)
+            if failure is None and name in layouts[file].writes:
+                try:
+                    writers[file].write(name, tensor)
+                except BaseException as error:  # noqa: BLE001
+                    failure = error
+            del tensor  # one global tensor at a time
+    for writer in writers.values():
+        try:
+            writer.close(complete=failure is None)
+        except BaseException as error:  # noqa: BLE001
+            failure = failure or error
+    return failure
 
 
 def _to_global(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distributed) -> torch.Tensor:
-    """The global tensor of a parameter-shaped `tensor` (all tensor-parallel ranks take part, and all data-parallel
-    ranks for a parameter split over the data group), on the CPU."""
+    """The global tensor of a parameter-shaped `tensor` (or a scalar as it is), on the CPU: gathered over the data
+    ranks when FSDP shards it, then over the tensor ranks, and over the data ranks for a parameter split there
+    (experts). Every rank of those groups takes part."""
+    if tensor.ndim == 0:
+        return tensor.detach().cpu()
+    tensor = whole(tensor.detach())
     meta = getattr(parameter, "meta", None)
     if meta is not None:  # Parameters not made by the parameter factory are replicated.
         tensor = meta.local_to_global(tensor, distributed.tensor_group, distributed.data_group)
@@ -205,26 +292,9 @@ def _yaml_text(data: Mapping[str, Any], what: str) -> str:
         raise ValueError(f"{what} must be plain data (numbers, strings, lists, mappings, bytes): {error}") from None
 
 
-def _write(
-    directory: Path,
-    *,
-    config: str,
-    metadata: str,
-    weights: dict[str, torch.Tensor],
-    optimizer_state: dict[str, torch.Tensor] | None,
-    origin: Origin | None,
-) -> None:
-    if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
-        raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = directory.parent / f".{directory.name}.partial"
-    if temporary.exists():  # Left by a save that crashed.
-        shutil.rmtree(temporary)
-    temporary.mkdir()
+def _finish(directory: Path, temporary: Path, *, config: str, metadata: str, origin: Origin | None) -> None:
+    """Complete the checkpoint whose tensor files are written in `temporary`, then put it at `directory`."""
     try:
-        save_file(weights, temporary / MODEL_FILE)
-        if optimizer_state is not None:
-            save_file(optimizer_state, temporary / OPTIMIZER_FILE)
         (temporary / CONFIG_FILE).write_text(config)
         (temporary / METADATA_FILE).write_text(metadata)
         if origin is not None:
@@ -267,15 +337,23 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def _share_outcome(distributed: Distributed, failure: BaseException | None, directory: Path) -> None:
-    """Every rank learns whether rank 0 wrote the checkpoint (and none runs ahead of it); rank 0 re-raises."""
+def _agree(
+    distributed: Distributed, failure: BaseException | None, directory: Path, cleanup: Path | None = None
+) -> None:
+    """Every rank learns whether any failed (and none runs ahead): a failed rank re-raises its error, the others a
+    `CheckpointError`; rank 0 then removes `cleanup`, the unfinished checkpoint."""
+    failed = failure is not None
     if distributed.world_size > 1:
-        failed = torch.tensor([failure is not None], dtype=torch.int32, device=distributed.device)
-        dist.broadcast(failed, src=0)
-        if failed.item() and failure is None:
-            raise CheckpointError(directory, "rank 0 failed to write the checkpoint (its error is in its log)")
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=distributed.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if not failed:
+        return
+    if cleanup is not None and distributed.rank == 0:
+        shutil.rmtree(cleanup, ignore_errors=True)
     if failure is not None:
         raise failure
+    raise CheckpointError(directory, "another rank failed to write the checkpoint (its error is in its log)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -338,7 +416,10 @@ def load_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a checkpoint: (config data, metadata), and fill `model`'s parameters and `optimizer`'s state in place.
 
-    Every rank calls it and takes its own shards. Nothing is changed unless every tensor is there with its shape.
+    Every rank calls it and takes its own shards (of the tensor-parallel split, the experts' split over the data
+    ranks, and the rows of its FSDP shards), reading one global tensor at a time. Nothing is changed unless every
+    tensor is there with its shape. Under pipeline parallelism a stage reads the tensors of its own parameters (the
+    others belong to other stages).
     """
     directory = Path(directory)
     metadata = _read_metadata(directory)
@@ -349,7 +430,7 @@ def load_checkpoint(
         raise CheckpointError(directory / OPTIMIZER_FILE, "this checkpoint was saved without optimizer state")
     if model is not None:
         with _TensorFile(directory / MODEL_FILE) as weights:
-            _check_weights(weights, model)
+            _check_weights(weights, model, whole_model=distributed.config.pipeline_parallel == 1)
             if optimizer is not None:  # Read (and checked) before any parameter changes.
                 with _TensorFile(directory / OPTIMIZER_FILE) as states:
                     optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
@@ -466,21 +547,25 @@ def _global_shape(parameter: nn.Parameter) -> tuple[int, ...]:
 
 
 def _to_local(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distributed) -> torch.Tensor:
+    """This rank's part of a global tensor shaped like `parameter`: its tensor-parallel (and expert-parallel) shard,
+    laid out as the parameter (an FSDP DTensor holding this rank's rows of it). A copy: a view would keep the whole
+    global tensor alive."""
     meta = getattr(parameter, "meta", None)
-    if meta is None:
-        return tensor
-    return meta.global_to_local(
-        tensor, distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size
-    )
+    if meta is not None:
+        tensor = meta.global_to_local(
+            tensor, distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size
+        )
+    return shard_like(parameter, tensor).clone()
 
 
-def _check_weights(file: _TensorFile, model: nn.Module) -> None:
-    """Every parameter of the model is in the file with its global shape, and nothing else is."""
+def _check_weights(file: _TensorFile, model: nn.Module, *, whole_model: bool = True) -> None:
+    """Every parameter of the model is in the file with its global shape, and (for a `whole_model`, not a pipeline
+    stage) nothing else is."""
     parameters = dict(model.named_parameters())
     if missing := [name for name in parameters if name not in file.shapes]:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
         raise file.error(f"tensor {missing[0]!r} is missing{more}")
-    if unexpected := sorted(set(file.shapes) - set(parameters)):
+    if whole_model and (unexpected := sorted(set(file.shapes) - set(parameters))):
         raise file.error(f"the model has no parameter {', '.join(map(repr, unexpected))} that the file holds")
     for name, parameter in parameters.items():
         if (shape := file.shapes[name]) != (expected := _global_shape(parameter)):
@@ -490,7 +575,7 @@ def _check_weights(file: _TensorFile, model: nn.Module) -> None:
 def _copy_weights(file: _TensorFile, model: nn.Module, distributed: Distributed) -> None:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            parameter.copy_(_to_local(file.get(name), parameter, distributed))
+            local_tensor(parameter).copy_(local_tensor(_to_local(file.get(name), parameter, distributed)))
 
 
 def _read_optimizer_state(
@@ -503,6 +588,8 @@ def _read_optimizer_state(
     keys: dict[str, set[str]] = {}
     for tensor_name, shape in file.shapes.items():
         name, _, key = tensor_name.partition("/")
+        if name not in parameters and distributed.config.pipeline_parallel > 1:
+            continue  # another stage's
         if name not in parameters:
             raise file.error(f"optimizer state {tensor_name!r} is for {name!r}, which is not a parameter of the model")
         if id(parameters[name]) not in index_of:
@@ -524,6 +611,5 @@ def _read_optimizer_state(
         own = state.setdefault(index_of[id(parameter)], {})
         for key in sorted(state_keys):
             tensor = file.get(f"{name}/{key}")
-            # A clone: the shard is a view that would keep the whole global tensor alive.
-            own[key] = _to_local(tensor, parameter, distributed).clone() if tensor.ndim else tensor
+            own[key] = _to_local(tensor, parameter, distributed) if tensor.ndim else tensor
     return state

@@ -4,6 +4,9 @@ The format: an 8-byte little-endian header length, a JSON header `{name: {dtype,
 {...}}`, then the tensors' bytes. Not memory-mapped: a tensor read is a copy of its bytes and nothing else stays
 resident, so converting a checkpoint holds about one shard in memory, however large the files. Every problem
 (truncated file, corrupted header) is a `ConversionError` naming the file.
+
+One copy for the project: native checkpoints (`blockzoo.checkpoint`) are written with `SafetensorsWriter` tensor by
+tensor as the ranks gather them, and the Hugging Face converter reads and writes its files with both classes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +125,9 @@ class SafetensorsWriter:
     """Writes a safetensors file whose tensors (names, dtypes, shapes) are known up front, in any order.
 
     The header is written first and the file sized; each `write` puts a tensor at its place. Use as a context
-    manager: leaving it checks that every tensor was written (unless an error is on its way out).
+    manager: leaving it checks that every tensor of `writes` (default: all) was written (unless an error is on its
+    way out). With `create=False` the file, made by another writer of the same `tensors` and `metadata` (another
+    process), is opened to write `writes` into it: several processes fill one file, each its own tensors.
     """
 
     def __init__(
@@ -130,6 +135,9 @@ class SafetensorsWriter:
         path: Path,
         tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
         metadata: Mapping[str, str] | None = None,
+        *,
+        create: bool = True,
+        writes: Iterable[str] | None = None,
     ):
         self.path = Path(path)
         self._layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
@@ -143,10 +151,15 @@ class SafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
         self._data_start = 8 + len(encoded)
-        self._remaining = set(self._layout)
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
-        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
-        self._file.truncate(self._data_start + offset)
+        self._remaining = set(self._layout if writes is None else writes)
+        if unknown := self._remaining - set(self._layout):
+            raise ValueError(f"{self.path}: tensors to write that the file does not hold: {', '.join(sorted(unknown))}")
+        if create:
+            self._file = open(self.path, "wb")  # noqa: SIM115 - closed by __exit__
+            self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+            self._file.truncate(self._data_start + offset)
+        else:
+            self._file = open(self.path, "r+b")  # noqa: SIM115 - closed by __exit__
 
     @property
     def size(self) -> int:
@@ -168,8 +181,12 @@ class SafetensorsWriter:
         return self
 
     def __exit__(self, error_type: type | None, *_: object) -> None:
+        self.close(complete=error_type is None)
+
+    def close(self, *, complete: bool = True) -> None:
+        """Close the file; when `complete`, first check that every tensor was written and flush it to the disk."""
         try:
-            if error_type is None:
+            if complete:
                 if self._remaining:
                     raise ConversionError(f"{self.path}: tensors never written: {', '.join(sorted(self._remaining))}")
                 self._file.flush()

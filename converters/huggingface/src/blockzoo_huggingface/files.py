@@ -24,7 +24,7 @@ from blockzoo.api import Distributed
 from blockzoo.checkpoint import MODEL_FILE, save_checkpoint
 from blockzoo.config import Config
 from blockzoo.conversion import ConversionError, Origin, read_json
-from blockzoo_huggingface.safetensors_io import SafetensorsReader, SafetensorsWriter
+from blockzoo.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 CONFIG_JSON = "config.json"
 SINGLE_FILE = "model.safetensors"

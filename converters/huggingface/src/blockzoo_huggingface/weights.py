@@ -29,9 +29,9 @@ from blockzoo.config import structure
 from blockzoo.conversion import ConversionError, Origin, WeightMapping, read_json
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
+from blockzoo.safetensors_io import SafetensorsReader, SafetensorsWriter
 from blockzoo_huggingface import files
 from blockzoo_huggingface.format import CONFIG_JSON, HuggingfaceFormat
-from blockzoo_huggingface.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30  # bytes, as transformers 4.x
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

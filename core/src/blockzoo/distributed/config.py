@@ -22,6 +22,16 @@ class DistributedConfig(Config):
         False, doc="Also split activations along tokens between tensor-parallel ranks (no effect without TP)."
     )
     sequence_data_parallel: int = field(1, doc="Ranks that split each sequence's tokens.", validator=greater_than(0))
+    zero_stage: Literal[0, 1, 2, 3] = field(
+        0,
+        doc="Sharding over the data-parallel ranks (ZeRO, through PyTorch's FSDP2 over the mesh's data dim). "
+        "0: weights, gradients and optimizer state replicated; the gradients summed over the data ranks after the "
+        "step's last micro-batch, block by block while the backward pass runs. 1: the optimizer state (and the "
+        "weights between steps) sharded; the gradients accumulate whole over the step's micro-batches and are "
+        "reduce-scattered once. 2: also the gradients sharded, reduce-scattered after every micro-batch. 3: also the "
+        "weights sharded during the step, each block's gathered just before it runs and freed after. Experts of "
+        "expert parallelism stay split over the data ranks, never sharded again.",
+    )
     pipeline_parallel: int = field(
         1,
         doc="Ranks that split the block sequence into pipeline stages. Every optimizer step runs "

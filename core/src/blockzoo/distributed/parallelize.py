@@ -1,5 +1,6 @@
 """What the run config asks of a built model beyond its layers, applied from outside it (as torchtitan's
-`parallelize`): activation recomputation and torch.compile of each block.
+`parallelize`): activation recomputation and torch.compile of each block, then sharded data parallelism (ZeRO,
+through FSDP2: `blockzoo.distributed.data_parallel`).
 
 The model's code knows none of it: each policy replaces a block's `forward` on the instance, so parameter names,
 checkpoints and the module tree stay those of the plain model.
@@ -30,12 +31,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from blockzoo.distributed.data_parallel import shard_data_parallel
 from blockzoo.layers.base import Batch
 from blockzoo.run_config import RunConfig
 
 
 def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
-    """Apply the run's recomputation and compilation policies to `model` (a `LanguageModel`), in place."""
+    """Apply the run's recomputation and compilation policies, then its data parallelism (`distributed.zero_stage`,
+    over the data ranks of `model.distributed`) to `model` (a `LanguageModel`), in place. Build the optimizer after:
+    FSDP replaces the parameters."""
     training = run_config.training
     for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
         policy = training.recompute_blocks.get(name, training.recompute)
@@ -43,6 +47,7 @@ def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
             block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
         elif policy != "none":
             block.forward = recomputed(block.forward, selective=policy == "selective")
+    shard_data_parallel(model, model.decoder, model.distributed)
     return model
 
 

@@ -5,7 +5,12 @@ a single process when they are absent), checks that the layout divides the world
 default process group (unless one exists already, e.g. made by the caller) and lays the ranks out
 on a `DeviceMesh` of named dims (pipeline, data, sequence_data, tensor), tensor-parallel fastest so
 that tensor-parallel ranks share a node. A single process has no process group at all: every group
-is None and every rank 0. Use it as a context manager, or call `shutdown()`.
+is None and every rank 0 (unless the caller made a process group of one, e.g. to run FSDP on one GPU:
+then the mesh exists, all of size one). Use it as a context manager, or call `shutdown()`.
+
+`data_parallel_mesh` is the mesh FSDP2 shards over (`blockzoo.distributed.data_parallel`): the data dim alone
+for ZeRO 1-3; for ZeRO 0 a (data, data_shard) mesh whose shard dim has size one, so that FSDP replicates the
+weights over the data ranks (HSDP without sharding) and all-reduces the gradients.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
@@ -51,8 +57,9 @@ class Distributed:
         self.backend = _backend(config.backend)
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.mesh: DeviceMesh | None = None
+        self._replicated_data_mesh: DeviceMesh | None = None
         self._owns_process_group = False
-        if self.world_size > 1:
+        if self.world_size > 1 or (self.world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1):
             self._start()
 
     def _start(self) -> None:
@@ -73,10 +80,15 @@ class Distributed:
             self._owns_process_group = True
         shape = (self.config.pipeline_parallel, self.data_size, self.config.sequence_data_parallel, self.tensor_size)
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=MESH_DIMS)
+        if self.config.zero_stage == 0 and self.data_size > 1:
+            # The same ranks with a data_shard dim of size one after the data dim: FSDP's replicate × shard mesh.
+            with_shard = (*shape[:2], 1, *shape[2:])
+            names = (*MESH_DIMS[:2], "data_shard", *MESH_DIMS[2:])
+            self._replicated_data_mesh = init_device_mesh(self.device.type, with_shard, mesh_dim_names=names)
 
     def shutdown(self) -> None:
         """Destroy the process group if this object made it. Safe to call twice."""
-        self.mesh = None
+        self.mesh = self._replicated_data_mesh = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -118,6 +130,24 @@ class Distributed:
         return self._group("data")
 
     @property
+    def pipeline_group(self) -> ProcessGroup | None:
+        return self._group("pipeline")
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self._rank("pipeline")
+
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over (None in a single process): `data` for ZeRO 1-3, (`data`, `data_shard` of
+        size one) for ZeRO 0, whose weights stay whole on every data rank."""
+        if self.mesh is None:
+            return None
+        if self._replicated_data_mesh is not None:
+            return self._replicated_data_mesh["data", "data_shard"]
+        return self.mesh["data"]
+
+    @property
     def tensor_rank(self) -> int:
         return self._rank("tensor")
 
@@ -142,11 +172,12 @@ class Distributed:
 
         Those are the parameters flagged `meta.reduce_gradient_over_tensor_group`: they saw only this rank's
         tokens (sequence-tensor-parallel) or only this rank's heads (a replicated layer inside the tensor
-        region). Call after every backward pass of a tensor-parallel run, before the data-parallel reduction
-        and the optimizer step.
+        region). Call after the backward pass of a tensor-parallel run, before the optimizer step. Under FSDP the
+        gradients are this rank's shards of the data-parallel sum: the tensor ranks of one data coordinate hold the
+        same rows of them, so their shards are summed (the two sums commute).
         """
         grads = [
-            parameter.grad
+            local_tensor(parameter.grad)
             for parameter in parameters
             if parameter.grad is not None and getattr(parameter, "meta", None) is not None
             if parameter.meta.reduce_gradient_over_tensor_group
@@ -158,6 +189,11 @@ class Distributed:
         dist.all_reduce(flat, group=self.tensor_group)
         for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
             grad.copy_(reduced.view_as(grad))
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: the local shard of an FSDP (DTensor) parameter or gradient, else `tensor`."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _backend(backend: str) -> str:

@@ -25,6 +25,15 @@ from blockzoo.layers.dims import TensorDim
 IGNORE_INDEX = -100  # The label of a token with no target (its next token is in another document, or absent).
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host `tensor` on `device`; on a GPU copied from pinned memory without waiting for the device."""
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 class Batch:
     """The documents of one packed micro-batch, and what layers compute from them once.
 
@@ -39,22 +48,26 @@ class Batch:
         device: torch.device | str = "cpu",
         past_lengths: Sequence[int] | torch.Tensor | None = None,
     ):
+        # Everything is computed on the host from the lengths (a tensor on a device is read back once), then moved:
+        # on a GPU, from pinned memory without waiting, so making a batch never stalls the device queue.
         self.device = torch.device(device)
-        self.lengths = torch.as_tensor(lengths, dtype=torch.int64, device=self.device)
-        if self.lengths.ndim != 1 or len(self.lengths) == 0 or bool((self.lengths <= 0).any()):
+        lengths_on_host = torch.as_tensor(lengths, dtype=torch.int64).cpu()
+        if lengths_on_host.ndim != 1 or len(lengths_on_host) == 0 or bool((lengths_on_host <= 0).any()):
             raise ValueError(f"document lengths must be a non-empty list of positive integers, got {lengths}")
-        self.past_lengths = (
-            None if past_lengths is None else torch.as_tensor(past_lengths, dtype=torch.int64, device=self.device)
-        )
-        self.num_tokens = int(self.lengths.sum())
-        self.max_length = int(self.lengths.max())
-        self.cu_seqlens = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
-        self.document_index = torch.repeat_interleave(torch.arange(len(self.lengths), device=self.device), self.lengths)
+        self.num_tokens = int(lengths_on_host.sum())
+        self.max_length = int(lengths_on_host.max())
+        cu_seqlens = torch.nn.functional.pad(lengths_on_host.cumsum(0), (1, 0)).to(torch.int32)
+        document_index = torch.repeat_interleave(torch.arange(len(lengths_on_host)), lengths_on_host)
         # Position of each token in its document (plus what the cache holds, when generating).
-        starts = self.cu_seqlens[:-1].to(torch.int64)[self.document_index]
-        self.positions = torch.arange(self.num_tokens, device=self.device) - starts
-        if self.past_lengths is not None:
-            self.positions = self.positions + self.past_lengths[self.document_index]
+        positions = torch.arange(self.num_tokens) - cu_seqlens[:-1].to(torch.int64)[document_index]
+        past = None if past_lengths is None else torch.as_tensor(past_lengths, dtype=torch.int64).cpu()
+        if past is not None:
+            positions = positions + past[document_index]
+        self.lengths = to_device(lengths_on_host, self.device)
+        self.past_lengths = None if past is None else to_device(past, self.device)
+        self.cu_seqlens = to_device(cu_seqlens, self.device)
+        self.document_index = to_device(document_index, self.device)
+        self.positions = to_device(positions, self.device)
         # Losses layers add during the forward pass (MoE auxiliary losses...), named per layer.
         self.losses: dict[str, torch.Tensor] = {}
         self._preprocessed: dict[Hashable, Any] = {}

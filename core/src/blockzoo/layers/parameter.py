@@ -136,8 +136,11 @@ class ParameterMeta:
     def local_to_global(
         self, tensor: torch.Tensor, group: ProcessGroup | None, data_group: ProcessGroup | None = None
     ) -> torch.Tensor:
-        """The global tensor from every rank's shard of the parameter (or of its gradient): gathered over the
-        tensor `group`, then, if data-parallel sharded, over `data_group`."""
+        """The global tensor from every rank's shard of the parameter (or of its gradient): an FSDP (ZeRO) shard
+        gathered over its data ranks first, then over the tensor `group`, then, if data-parallel sharded, over
+        `data_group`."""
+        if hasattr(tensor, "full_tensor"):  # a DTensor: FSDP's shard of this rank's tensor-parallel tensor
+            tensor = tensor.full_tensor()
         for index, dim in enumerate(self.dims):
             tensor = dim.local_to_global(tensor, index, group)
         for index, dim in enumerate(self.data_parallel_dims or ()):

@@ -3,7 +3,7 @@
 Parameters are grouped by their effective learning-rate scale and weight-decay flag (`param.meta`);
 frozen ones (scale 0) are left out. A concatenated parameter whose components differ (key‖value with
 two lr_scales) takes a step with scale 1 and full weight decay, and its update is then rescaled per
-row, which is exactly AdamW with per-row settings.
+row, which is exactly AdamW with per-row settings (under ZeRO, the rows of this rank's shard).
 """
 
 from __future__ import annotations
@@ -13,15 +13,25 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from blockzoo.distributed.data_parallel import shard_rows
+from blockzoo.distributed.runtime import local_tensor
 from blockzoo.errors import UsageError
 from blockzoo.training.config import AdamWConfig, ScheduleConfig
 
 
 class AdamW(torch.optim.AdamW):
+    """torch's AdamW over blockzoo's parameter groups: fused on CUDA, foreach elsewhere.
+
+    Under FSDP (ZeRO) the parameters are DTensors holding this rank's rows, and the state follows them; plain
+    parameters (experts split by expert parallelism) get groups of their own, since torch's multi-tensor kernels
+    take no mix of the two.
+    """
+
     def __init__(self, config: AdamWConfig, parameters: Iterable[nn.Parameter]):
         self.config = config
-        groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
+        groups: dict[tuple[float, bool, bool], list[nn.Parameter]] = {}
         self.per_row: list[nn.Parameter] = []
         for parameter in unique_trainable(parameters):
             meta = parameter.meta
@@ -30,7 +40,7 @@ class AdamW(torch.optim.AdamW):
             else:
                 key = (1.0, True)
                 self.per_row.append(parameter)
-            groups.setdefault(key, []).append(parameter)
+            groups.setdefault((*key, isinstance(parameter, DTensor)), []).append(parameter)
         if not groups:
             raise UsageError("no parameter is trainable: every effective lr_scale is 0 (model.lr_scale, ...)")
         param_groups = [
@@ -40,33 +50,49 @@ class AdamW(torch.optim.AdamW):
                 "lr_scale": lr_scale,
                 "weight_decay": config.weight_decay if decay else 0.0,
             }
-            for (lr_scale, decay), params in groups.items()
+            for (lr_scale, decay, _), params in groups.items()
         ]
+        fused = all(parameter.device.type == "cuda" for group in param_groups for parameter in group["params"])
         super().__init__(
             param_groups,
             lr=config.learning_rate,
             betas=(config.beta_1, config.beta_2),
             eps=config.epsilon,
-            foreach=True,
+            **({"fused": True} if fused else {"foreach": True}),
         )
+        # The per-row settings of the rows each rank holds (its FSDP shard's), on its device once for all steps.
+        self._rows = [
+            (
+                meta.lr_scale_rows()[shard_rows(parameter)].to(parameter.device),
+                meta.weight_decay_rows()[shard_rows(parameter)].to(parameter.device),
+            )
+            for parameter, meta in ((parameter, parameter.meta) for parameter in self.per_row)
+        ]
 
     def set_learning_rate(self, learning_rate: float) -> None:
         for group in self.param_groups:
             group["lr"] = learning_rate * group["lr_scale"]
 
+    def state_bytes(self) -> int:
+        """Bytes of the state of every parameter once allocated: two moments shaped like this rank's part of it,
+        and a step count."""
+        total = 0
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                local = local_tensor(parameter.detach())
+                total += 2 * local.numel() * local.element_size() + 4
+        return total
+
     @torch.no_grad()
     def step(self, closure=None):
-        before = [parameter.detach().clone() for parameter in self.per_row]
+        before = [local_tensor(parameter.detach()).clone() for parameter in self.per_row]
         result = super().step(closure)
-        for parameter, old in zip(self.per_row, before):
-            meta = parameter.meta
-            lr_scale, decays = meta.lr_scale_rows().to(old.device), meta.weight_decay_rows().to(old.device)
-            learning_rate = self.param_groups[0]["lr"] / self.param_groups[0]["lr_scale"]
+        learning_rate = self.param_groups[0]["lr"] / self.param_groups[0]["lr_scale"]
+        for parameter, old, (lr_scale, decays) in zip(self.per_row, before, self._rows):
+            new = local_tensor(parameter.detach())
             # The step applied `-lr·(wd·old + adam)`; scale it per row and take back the decay where it is off.
-            update = (parameter - old) * lr_scale + lr_scale * learning_rate * self.config.weight_decay * (
-                1 - decays
-            ) * old
-            parameter.copy_(old + update)
+            update = (new - old) * lr_scale + lr_scale * learning_rate * self.config.weight_decay * (1 - decays) * old
+            new.copy_(old + update)
         return result
 
 

@@ -10,10 +10,10 @@ summed over the tensor group, then all gradients are summed over the data-parall
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,18 +31,19 @@ from blockzoo.checkpoint import (
     save_checkpoint,
 )
 from blockzoo.conversion import get_format
-from blockzoo.data.dataset import build_dataset
-from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import IGNORE_INDEX, Batch
+from blockzoo.data.dataset import TrainingBatches, build_dataset
+from blockzoo.distributed.data_parallel import is_sharded, prepare_micro_batch, reshard
+from blockzoo.distributed.parallelize import parallelize
+from blockzoo.distributed.runtime import Distributed, local_tensor
+from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.factory import convert, load_pretrained_weights, pretrained_origin, with_pretrained_config
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.training.optimizer import learning_rate, unique_trainable
-
-# Dense bf16 peaks (TFLOP/s) of the GPUs whose MFU we report without being told.
-KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+from blockzoo.training.reporting import Throughput, memory_report, memory_usage, peak_flops, step_line
+from blockzoo.training.step import PlacedMicroBatch, StepData, place_micro_batch, to_host
 
 
 class TrainingError(RuntimeError):
@@ -78,8 +79,11 @@ class Trainer:
             load_pretrained_weights(self.model, pretrained, self.distributed)
             self.model.origin = pretrained_origin(pretrained)
             self.log(f"initialized from {pretrained}")
+        parallelize(self.model, run_config)  # recomputation, compilation, then ZeRO: new parameter objects
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
+        self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
+        self.log(memory_report(self.memory, self.distributed))
         self.data = build_dataset(
             run_config.data, seed=run_config.distributed.seed, model_vocab_size=run_config.model.embeddings.vocab_size
         )
@@ -112,19 +116,21 @@ class Trainer:
     def run(self) -> list[StepRecord]:
         trained = self.step < self.config.train_iters
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
-        timer = _Throughput(self._peak_flops())
+        timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
+        self._upcoming = self._next_step_data(batches) if trained else None
         while self.step < self.config.train_iters:
-            micro_batches = [next(batches) for _ in range(self.config.gradient_accumulation)]
-            record = self._train_step(micro_batches)
-            self.step += 1
-            self.data_position = batches.position()
-            self.history.append(record)
-            timer.add(
-                sum(len(micro.tokens) for micro in micro_batches) * self.distributed.data_size,
-                self._flops(micro_batches),
+            current = self._upcoming
+            # The next step's data is read and placed while this step's work runs on the device.
+            more = self.step + 1 < self.config.train_iters
+            record = self._train_step(
+                current.micro_batches, prefetch=functools.partial(self._prefetch, batches) if more else None
             )
+            self.step += 1
+            self.data_position = current.position
+            self.history.append(record)
+            timer.add(current.tokens, current.flops)
             if self.step % self.config.log_interval == 0 or self.step == self.config.train_iters:
-                self.log(self._format(record, timer))
+                self.log(step_line(record, self.config.train_iters, timer))
                 timer.reset()
             evaluation = self.config.evaluation
             if evaluation.interval and (self.step % evaluation.interval == 0 or self.step == self.config.train_iters):
@@ -136,7 +142,29 @@ class Trainer:
             self.export()
         return self.history
 
-    def _train_step(self, micro_batches: list) -> StepRecord:
+    def _prefetch(self, batches: TrainingBatches) -> None:
+        self._upcoming = self._next_step_data(batches)
+
+    def _next_step_data(self, batches: TrainingBatches) -> StepData:
+        """The next step's micro-batches of this rank, read and placed on the device (without waiting for it)."""
+        micro_batches = [next(batches) for _ in range(self.config.gradient_accumulation)]
+        flops = 0
+        for micro in micro_batches:  # the layers' counts, from the document lengths on the host
+            forward, backward = self.model.flops(Batch(micro.lengths))
+            flops += forward + backward
+        data_size = self.distributed.data_size
+        return StepData(
+            micro_batches=[place_micro_batch(micro, self.distributed.device) for micro in micro_batches],
+            position=batches.position(),
+            tokens=sum(len(micro.tokens) for micro in micro_batches) * data_size,
+            flops=flops * data_size,
+        )
+
+    def _train_step(
+        self, micro_batches: list[PlacedMicroBatch], prefetch: Callable[[], None] | None = None
+    ) -> StepRecord:
+        """One optimizer step over this rank's `micro_batches`. `prefetch` runs once the step's work is queued on the
+        device, before the step's one wait for it (`to_host`: the figures it reports and checks)."""
         self.model.train()
         rate = learning_rate(
             self.step,
@@ -146,28 +174,42 @@ class Trainer:
         )
         self.optimizer.set_learning_rate(rate)
         self.optimizer.zero_grad(set_to_none=True)
+        cross_entropy, named = self.forward_backward(micro_batches)
+        self.distributed.reduce_replicated_gradients(unique_trainable(self.model.parameters()))
+        norm = self._clip_gradients()
+        if prefetch is not None:
+            prefetch()
+        loss, norm, *named_values = to_host([cross_entropy, norm, *named.values()])
+        self._check_finite("loss", loss)
+        self._check_finite("gradient norm", norm)  # before the update, so the weights stay finite
+        self.optimizer.step()
+        losses = dict(zip(named, named_values))
+        return StepRecord(step=self.step + 1, loss=loss, learning_rate=rate, gradient_norm=norm, losses=losses)
+
+    def forward_backward(self, micro_batches: list[PlacedMicroBatch]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The forward and backward passes of a step's micro-batches (of this rank): leaves the gradients of the
+        step's loss, reduced over the data ranks, and returns on the device (no wait) the step's loss (the
+        cross-entropy over the labelled tokens of all ranks) and its named losses (each averaged over the
+        micro-batches of all ranks), the same on every rank.
+
+        The objective of each micro-batch is its summed cross-entropy over the step's labelled-token count (all
+        ranks), plus its named losses over the step's micro-batch count (all ranks): the gradients summed over the
+        micro-batches and the data ranks are those of the step's loss, however the step is split.
+        """
         device = self.distributed.device
-        labelled = sum(int((micro.labels != IGNORE_INDEX).sum()) for micro in micro_batches)
-        labelled = self._all_reduce_data(torch.tensor(float(labelled), device=device)).clamp(min=1)
-        # The gradients are summed over the data-parallel ranks: each rank's named losses weigh 1 / all micro-batches.
+        labelled = self._all_reduce_data(sum(micro.labelled() for micro in micro_batches)).clamp(min=1)
         micro_batches_of_all_ranks = len(micro_batches) * self.distributed.data_size
         total_cross_entropy = torch.zeros((), device=device)
-        named: dict[str, float] = {}
-        for micro in micro_batches:
-            tokens, labels = micro.tokens.to(device), micro.labels.to(device)
-            cross_entropy, losses = self.model.loss(tokens, labels, Batch(micro.lengths, device=device))
+        named: dict[str, torch.Tensor] = {}
+        for index, micro in enumerate(micro_batches):
+            prepare_micro_batch(self.model, self.distributed, last=index + 1 == len(micro_batches))
+            cross_entropy, losses = self.model.loss(micro.tokens, micro.labels, micro.batch)
             extra = sum(losses.values(), torch.zeros((), device=device)) / micro_batches_of_all_ranks
             (cross_entropy / labelled + extra).backward()
             total_cross_entropy += cross_entropy.detach().float()
             for name, value in losses.items():
-                named[name] = named.get(name, 0.0) + float(value.detach()) / len(micro_batches)
-        loss = self._reduce_loss(total_cross_entropy) / float(labelled)
-        self._check_finite("loss", loss)
-        self._reduce_gradients()
-        norm = self._clip_gradients()
-        self._check_finite("gradient norm", norm)  # before the update, so the weights stay finite
-        self.optimizer.step()
-        return StepRecord(step=self.step + 1, loss=loss, learning_rate=rate, gradient_norm=norm, losses=named)
+                named[name] = named.get(name, 0.0) + value.detach().float() / micro_batches_of_all_ranks
+        return self._reduce_loss(total_cross_entropy) / labelled, self._reduce_named(named)
 
     def _check_finite(self, what: str, value: float) -> None:
         if not math.isfinite(value):
@@ -179,47 +221,48 @@ class Trainer:
 
     def _all_reduce_data(self, tensor: torch.Tensor) -> torch.Tensor:
         group = self.distributed.data_group
-        if group is not None:
+        if group is not None and self.distributed.data_size > 1:
             dist.all_reduce(tensor, group=group)
         return tensor
 
-    def _reduce_loss(self, cross_entropy: torch.Tensor) -> float:
-        """The cross-entropy summed over every labelled token of the step, on every rank."""
+    def _reduce_loss(self, cross_entropy: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy summed over every labelled token of the step, on every rank (on the device)."""
         if self.distributed.sequence_tensor_parallel:
             dist.all_reduce(cross_entropy, group=self.distributed.tensor_group)
-        return float(self._all_reduce_data(cross_entropy))
+        return self._all_reduce_data(cross_entropy)
 
-    def _reduce_gradients(self) -> None:
-        parameters = unique_trainable(self.model.parameters())
-        self.distributed.reduce_replicated_gradients(parameters)
-        group = self.distributed.data_group
-        if group is not None:
-            for parameter in parameters:
-                # A data-parallel sharded parameter (an expert) already has the gradient of every rank's tokens:
-                # expert parallelism's all-to-all brought them to the rank that holds it.
-                if parameter.grad is not None and not parameter.meta.data_parallel_sharded:
-                    dist.all_reduce(parameter.grad, group=group)
+    def _reduce_named(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each named loss summed over the data ranks (every tensor rank computes the same: routing sees all tokens)."""
+        if not named or self.distributed.data_size == 1:
+            return named
+        values = self._all_reduce_data(torch.stack(list(named.values())))
+        return dict(zip(named, values.unbind()))
 
-    def _clip_gradients(self) -> float:
-        """The global gradient norm, clipped to the config's limit. Squares of parameters split over the tensor
-        group are summed over it, those of parameters split over the data group (experts) over the data group."""
+    def _clip_gradients(self) -> torch.Tensor:
+        """The global gradient norm (on the device), the gradients clipped to the config's limit. Squares of
+        gradients split over the tensor group are summed over it; of those split over the data group (FSDP shards
+        under ZeRO 1-3, experts under expert parallelism), over the data group."""
         # squares[tensor-parallel split][data-parallel split]
         squares = torch.zeros(2, 2, device=self.distributed.device)
-        parameters = [p for p in unique_trainable(self.model.parameters()) if p.grad is not None]
-        for parameter in parameters:
-            meta = parameter.meta
-            squares[int(meta.tensor_parallel), int(meta.data_parallel_sharded)] += parameter.grad.float().pow(2).sum()
-        if self.distributed.tensor_group is not None:
+        grads = []
+        for parameter in unique_trainable(self.model.parameters()):
+            if parameter.grad is None:
+                continue
+            meta, grad = parameter.meta, local_tensor(parameter.grad)
+            split_over_data = meta.data_parallel_sharded or is_sharded(parameter)
+            squares[int(meta.tensor_parallel), int(split_over_data)] += grad.float().pow(2).sum()
+            grads.append(grad)
+        if self.distributed.tensor_group is not None and self.distributed.tensor_size > 1:
             dist.all_reduce(squares[1], group=self.distributed.tensor_group)
-        if self.distributed.data_group is not None:
-            data_sharded = squares[:, 1].contiguous()
-            dist.all_reduce(data_sharded, group=self.distributed.data_group)
-            squares[:, 1] = data_sharded
-        norm = float(squares.sum().sqrt())
+        if self.distributed.data_group is not None and self.distributed.data_size > 1:
+            data_split = squares[:, 1].contiguous()
+            dist.all_reduce(data_split, group=self.distributed.data_group)
+            squares[:, 1] = data_split
+        norm = squares.sum().sqrt()
         limit = self.config.gradient_clipping
-        if limit is not None and norm > limit:
-            for parameter in parameters:
-                parameter.grad.mul_(limit / (norm + 1e-6))
+        if limit is not None and grads:
+            # As torch.nn.utils.clip_grad_norm_: a factor of at most 1, computed and applied on the device.
+            torch._foreach_mul_(grads, (limit / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     # -- evaluation, checkpoints ---------------------------------------------------------------------------------------
@@ -231,11 +274,12 @@ class Trainer:
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
         batches = self.data.evaluation_batches(**self._data_rank())
         for micro in itertools.islice(batches, self.config.evaluation.iters):
-            tokens, labels = micro.tokens.to(device), micro.labels.to(device)
-            cross_entropy, _ = self.model.loss(tokens, labels, Batch(micro.lengths, device=device))
+            placed = place_micro_batch(micro, device)
+            cross_entropy, _ = self.model.loss(placed.tokens, placed.labels, placed.batch)
             total += cross_entropy.float()
-            count += float((micro.labels != IGNORE_INDEX).sum())
-        loss = self._reduce_loss(total) / float(self._all_reduce_data(count).clamp(min=1))
+            count += placed.labelled()
+        (loss,) = to_host([self._reduce_loss(total) / self._all_reduce_data(count).clamp(min=1)])
+        reshard(self.model)  # the forward passes without a backward left weights gathered
         self.evaluations.append((self.step, loss))
         self.log(f"evaluation at step {self.step}: loss {loss:.4f}")
         return loss
@@ -287,75 +331,6 @@ class Trainer:
         self.data_position = metadata.get("data")
         self.model.origin = read_origin(last)
         self.log(f"resumed from {last} (step {self.step})")
-
-    # -- reporting -----------------------------------------------------------------------------------------------------
-
-    def _flops(self, micro_batches: list) -> int:
-        """Model FLOPs of the step on all data-parallel ranks (forward + backward)."""
-        total = 0
-        for micro in micro_batches:
-            forward, backward = self.model.flops(Batch(micro.lengths))
-            total += forward + backward
-        return total * self.distributed.data_size
-
-    def _peak_flops(self) -> float | None:
-        if self.config.peak_tflops is not None:
-            return self.config.peak_tflops * 1e12 * self.distributed.world_size
-        if self.distributed.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.distributed.device)
-            for model, peak in KNOWN_PEAK_TFLOPS.items():
-                if model in name:
-                    return peak * 1e12 * self.distributed.world_size
-        return None
-
-    def _format(self, record: StepRecord, timer: _Throughput) -> str:
-        parts = [
-            f"step {record.step}/{self.config.train_iters}",
-            f"loss {record.loss:.4f}",
-            *(f"{name} {value:.4g}" for name, value in record.losses.items()),
-            f"lr {record.learning_rate:.3g}",
-            f"grad norm {record.gradient_norm:.3g}",
-            f"{timer.tokens_per_second:,.0f} tokens/s",
-            f"{timer.tflops:.3g} TFLOP/s",
-        ]
-        if timer.mfu is not None:
-            parts.append(f"MFU {timer.mfu:.1%}")
-        bar = _progress_bar(record.step, self.config.train_iters)
-        return f"{bar} " + " | ".join(parts)
-
-
-class _Throughput:
-    def __init__(self, peak_flops: float | None):
-        self.peak_flops = peak_flops
-        self.reset()
-
-    def reset(self) -> None:
-        self.start, self.tokens, self.flops = time.perf_counter(), 0, 0
-
-    def add(self, tokens: int, flops: int) -> None:
-        self.tokens += tokens
-        self.flops += flops
-
-    @property
-    def seconds(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def tflops(self) -> float:
-        return self.flops / self.seconds / 1e12
-
-    @property
-    def mfu(self) -> float | None:
-        return None if self.peak_flops is None else self.flops / self.seconds / self.peak_flops
-
-
-def _progress_bar(step: int, total: int, width: int = 20) -> str:
-    filled = round(width * step / total)
-    return f"[{'#' * filled}{'.' * (width - filled)}]"
 
 
 def _print(message: str) -> None:
