@@ -151,7 +151,7 @@ class Suite:
         if state["reference"] is None:
             state["reference"] = first
         else:
-            timing.extra["max Δ vs ours"] = max_difference(first, state["reference"])
+            timing.extra["max Δ to ours"] = max_difference(first, state["reference"])
         return timing
 
     # -- the cases ---------------------------------------------------------------------------------------------

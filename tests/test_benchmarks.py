@@ -1,0 +1,364 @@
+"""The benchmark suite's CPU-checkable parts: the shape builders give ours and each peer the same parameter count (and,
+at scaled-down shapes, the same outputs once our weights are copied in); the harness's timing, ratios, table and JSON
+lines; a contender's failure staying its own; the settings of ours. The suites themselves run on a GPU
+(benchmarks/device.sh); `slow` tests run each one here at `--tiny` shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import harness, ours, shapes
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+FP32 = "distributed.compute_dtype=fp32"  # a setting: exact comparisons on the CPU
+
+
+def mamba_ssm_or_skip():
+    """mamba_ssm through the project's adapter, or skip the test (only where it is absent: CPU machines)."""
+    from blockzoo.ssm import import_mamba_ssm
+
+    try:
+        import_mamba_ssm()
+    except ImportError as error:
+        pytest.skip(f"mamba_ssm does not import here: {error}")
+
+
+# -- equal shapes ------------------------------------------------------------------------------------------------------
+
+
+def test_llama_1b_has_transformers_parameter_count():
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        theirs = LlamaForCausalLM(shapes.transformers_llama_config(shapes.LLAMA_1B, 4096))
+    ours_count = shapes.parameter_count(shapes.our_model(shapes.llama_model(shapes.LLAMA_1B)))
+    assert ours_count == shapes.parameter_count(theirs)
+
+
+def test_llama_weight_map_gives_transformers_logits_and_loss():
+    """Our initial weights copied into transformers' LlamaForCausalLM give our logits, and our step-0 loss (our
+    labels of packed rows) is transformers' `labels=input_ids` loss: what the suite's loss check relies on."""
+    from transformers import LlamaForCausalLM
+
+    shape = shapes.LLAMA_TINY
+    model, _ = ours.build(ours.run_config(shapes.llama_model(shape), FP32, rows=1, length=16))
+    theirs = LlamaForCausalLM._from_config(shapes.transformers_llama_config(shape, 16), attn_implementation="sdpa")
+    weights = shapes.llama_to_transformers(dict(model.named_parameters()), shape.layers)
+    shapes.load_into(theirs, {name: tensor.detach() for name, tensor in weights.items()})
+    tokens = ours.random_tokens(3, 16, shape.vocab, torch.device("cpu"))
+    with torch.no_grad():
+        output = theirs(input_ids=tokens, labels=tokens)
+        torch.testing.assert_close(model(tokens), output.logits, rtol=1e-4, atol=1e-5)
+    assert ours.reference_loss(model, tokens, rows_per_call=2) == pytest.approx(float(output.loss), rel=1e-5)
+
+
+def test_llama_weight_map_refuses_unknown_parameters():
+    model = shapes.our_model(shapes.llama_model(shapes.LLAMA_TINY))
+    weights = {**dict(model.named_parameters()), "decoder.0.mixer.extra.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"decoder\.0\.mixer\.extra\.weight"):
+        shapes.llama_to_transformers(weights, shapes.LLAMA_TINY.layers)
+
+
+def test_mamba2_1b_has_transformers_parameter_count():
+    """transformers' Mamba2ForCausalLM at the same shape: an oracle that exists on every machine (mamba_ssm's model,
+    the suite's peer, is compared below where it imports)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    shape = shapes.MAMBA2_1B
+    config = Mamba2Config(
+        num_heads=shape.heads,
+        head_dim=shape.head_size,
+        hidden_size=shape.hidden,
+        state_size=shape.state,
+        expand=shape.expand,
+        n_groups=shape.groups,
+        conv_kernel=4,
+        vocab_size=shape.vocab,
+        num_hidden_layers=shape.layers,
+        tie_word_embeddings=True,
+        use_bias=False,
+        use_conv_bias=True,
+    )
+    with torch.device("meta"):
+        theirs = Mamba2ForCausalLM(config)
+    assert shapes.parameter_count(shapes.our_model(shapes.mamba2_model(shape))) == shapes.parameter_count(theirs)
+
+
+def test_mamba2_1b_has_mamba_ssm_parameter_count_and_names():
+    mamba_ssm_or_skip()
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    shape = shapes.MAMBA2_1B
+    theirs = MambaLMHeadModel(shapes.mamba_ssm_config(shape), device="meta")
+    model = shapes.our_model(shapes.mamba2_model(shape))
+    assert shapes.parameter_count(model) == shapes.parameter_count(theirs)
+    mapped = shapes.mamba2_to_mamba_ssm(dict(model.named_parameters()), shape.layers)
+    expected = {name: tuple(tensor.shape) for name, tensor in theirs.state_dict().items()}
+    assert {name: tuple(tensor.shape) for name, tensor in mapped.items()} == expected
+
+
+@pytest.mark.parametrize("shape", [shapes.MIXTRAL, shapes.QWEN3_MOE], ids=lambda shape: shape.family)
+def test_moe_layers_have_transformers_parameter_counts(shape):
+    with torch.device("meta"):
+        theirs = shapes.transformers_moe_block(shape)
+    layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False)
+    assert shapes.parameter_count(layer) == shapes.parameter_count(theirs)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_weight_map_gives_transformers_outputs(family):
+    """Our MoE layer's weights in transformers' block (fp32, eager experts) give our outputs: same routing, same
+    experts layout."""
+    from blockzoo.layers.base import Batch
+
+    shape = shapes.MoEShape(tokens=40, hidden=16, ffn=8, experts=6, top_k=2, family=family)
+    layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu")
+    block = shapes.transformers_moe_block(shape, "eager")
+    shapes.load_into(block, shapes.moe_to_transformers({k: v.detach() for k, v in layer.named_parameters()}, shape))
+    hidden = torch.randn(shape.tokens, shape.hidden, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = block(hidden[None])
+        expected = (expected[0] if isinstance(expected, tuple) else expected)[0]
+        torch.testing.assert_close(layer(hidden, Batch([shape.tokens])), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_flops_count_the_active_experts_as_our_layer_does():
+    from blockzoo.layers.base import Batch
+
+    shape = shapes.MIXTRAL
+    layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False)
+    assert shapes.moe_layer_flops(shape) == sum(layer.flops(Batch([shape.tokens])))
+
+
+# -- the harness -------------------------------------------------------------------------------------------------------
+
+
+def test_time_steps_calls_first_then_warmup_then_timed_steps():
+    calls = []
+
+    def step():
+        calls.append(len(calls))
+        return len(calls)
+
+    timing = harness.time_steps(step, warmup=3, steps=4, device=torch.device("cpu"))
+    assert len(calls) == 7 and len(timing.times_s) == 4 and timing.first_value == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        harness.time_steps(step, warmup=0, steps=4, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.9, 1.0])
+def test_percentile_is_torch_quantile(fraction):
+    values = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0]
+    expected = float(torch.quantile(torch.tensor(values, dtype=torch.float64), fraction))
+    assert harness.percentile(values, fraction) == pytest.approx(expected)
+
+
+def made_case() -> harness.Case:
+    case = harness.Case("suite", "case", shape={"rows": 2}, tokens=1000, flops=4e12, mfu=True)
+    case.results = [
+        harness.Result("ours (a)", ours=True, times_s=[0.5, 0.4, 0.6], first_s=2.0, peak_gib=10.0),
+        harness.Result("ours (b)", ours=True, times_s=[0.3, 0.35, 0.32], first_s=0.5, peak_gib=30.0),
+        harness.Result("peer", ours=False, times_s=[0.4, 0.42, 0.41], peak_gib=20.0),
+        harness.Result("slow peer", ours=False, times_s=[0.9, 1.0, 1.1], peak_gib=15.0),
+        harness.Result("broken peer", ours=False, status="out of memory", detail="CUDA out of memory", peak_gib=140.0),
+    ]
+    return case
+
+
+def test_ratios_take_our_fastest_setting_against_each_peer_that_ran():
+    case = made_case()
+    best = case.best_ours()
+    assert best.contender == "ours (b)"
+    ratios = {ratio["peer"]: ratio for ratio in case.ratios()}
+    assert set(ratios) == {"peer", "slow peer"}
+    ours_median = statistics.median([0.3, 0.35, 0.32])
+    assert ratios["peer"]["speed"] == pytest.approx(statistics.median([0.4, 0.42, 0.41]) / ours_median)
+    assert ratios["slow peer"]["memory"] == pytest.approx(30.0 / 15.0)
+    assert case.fastest_peer()["peer"] == "peer"
+    figures = case.throughput(best)
+    assert figures["tokens_per_s"] == pytest.approx(1000 / ours_median)
+    assert figures["mfu"] == pytest.approx(4e12 / ours_median / 989e12)
+    assert best.first_call_extra_s == pytest.approx(0.5 - ours_median)
+
+
+def test_table_shows_every_contender_and_the_ratios():
+    text = harness.format_case(made_case())
+    lines = text.splitlines()
+    assert lines[0] == "suite / case (rows 2)"
+    for name in ("ours (a)", "ours (b)", "peer", "slow peer", "broken peer"):
+        assert any(line.strip().startswith(name) for line in lines[2:7])
+    assert "out of memory" in text and "CUDA out of memory" in text
+    ratio = 0.41 / statistics.median([0.3, 0.35, 0.32])
+    assert f"ours (b) vs peer: speed {ratio:.2f}×, memory {30 / 20:.2f}×" in text
+    assert "against the fastest peer (peer)" in text
+    assert f"{1000 / 0.32:,.0f}" in text  # tokens/s of ours (b) at its median
+
+
+def test_runner_keeps_each_failure_to_its_contender_and_writes_json_lines(tmp_path):
+    path = tmp_path / "run.jsonl"
+    runner = harness.Runner("suite", torch.device("cpu"), path, ["benchmarks/x.py", "--steps", "2"])
+    case = harness.Case("suite", "case", tokens=10)
+
+    def absent():
+        raise harness.Absent("peer library not installed")
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20 GiB")
+
+    def broken():
+        raise ValueError("a bug")
+
+    def fine():
+        return harness.time_steps(lambda: None, warmup=1, steps=2, device=torch.device("cpu"))
+
+    for name, body in [("absent", absent), ("oom", out_of_memory), ("bug", broken)]:
+        runner.run(case, name, body)
+    runner.run(case, "ours", fine, ours=True)
+    runner.finish(case)
+    statuses = {result.contender: result.status for result in case.results}
+    assert statuses == {"absent": "absent", "oom": "out of memory", "bug": "error", "ours": "ok"}
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [record["record"] for record in records] == ["run", "result", "result", "result", "result", "case"]
+    header = records[0]
+    assert header["command"] == "python benchmarks/x.py --steps 2"
+    assert set(header["versions"]) == set(harness.VERSIONED)
+    assert header["versions"]["torch"] == torch.__version__
+    assert records[2]["detail"].startswith("RuntimeError: CUDA out of memory")
+    assert records[3]["detail"] == "ValueError: a bug"
+    assert records[-1]["results"][-1]["tokens_per_s"] == pytest.approx(10 / records[-1]["results"][-1]["median_s"])
+    assert records[-1]["ratios"] == []  # no peer ran
+
+
+def test_restored_undoes_patches_of_a_module_and_its_classes():
+    module = types.ModuleType("patched")
+
+    class Model:
+        def forward(self):
+            return "original"
+
+    Model.__module__ = "patched"
+    module.Model, module.norm = Model, "original norm"
+    with harness.restored(module):
+        module.norm = "patched norm"
+        module.added = 1
+        module.Model.forward = lambda self: "patched"
+        module.Model.extra = 2
+        assert Model().forward() == "patched"
+    assert module.norm == "original norm" and not hasattr(module, "added")
+    assert Model().forward() == "original" and not hasattr(Model, "extra")
+
+
+# -- ours --------------------------------------------------------------------------------------------------------------
+
+
+def test_settings_become_run_config_overrides():
+    assert ours.overrides("compile=blocks, recompute=selective") == [
+        "training.compile=blocks",
+        "training.recompute=selective",
+    ]
+    assert ours.overrides("training.recompute_blocks.attn=full") == ["training.recompute_blocks.attn=full"]
+    assert ours.overrides("default") == []
+    with pytest.raises(ValueError, match="key=value"):
+        ours.overrides("compile")
+
+
+def test_a_setting_this_blockzoo_refuses_makes_the_contender_absent():
+    with pytest.raises(harness.Absent, match="no_such_knob"):
+        ours.run_config(shapes.llama_model(shapes.LLAMA_TINY), "no_such_knob=1", rows=1, length=8)
+    config = ours.run_config(shapes.llama_model(shapes.LLAMA_TINY), "gradient_clipping=2.0", rows=3, length=8)
+    assert config.training.gradient_clipping == 2.0 and config.data.micro_batch_size == 3
+
+
+def test_bare_step_loss_is_the_mean_next_token_loss_and_trains():
+    model, optimizer = ours.build(ours.run_config(shapes.llama_model(shapes.LLAMA_TINY), FP32, rows=2, length=8))
+    tokens = ours.random_tokens(2, 8, shapes.LLAMA_TINY.vocab, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(tokens)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten())
+    step = ours.bare_step(model, optimizer, tokens)
+    first = float(step())
+    assert first == pytest.approx(float(expected), rel=1e-5)
+    assert float(step()) < first  # the optimizer stepped
+
+
+def test_trainer_step_times_come_from_consecutive_log_lines():
+    from benchmarks.trainer import STEP_LINE, step_times
+
+    assert step_times([(2, 13.0), (1, 10.5), (3, 14.0)], start=10.0) == [0.5, 2.5, 1.0]
+    assert STEP_LINE.search("[#...] step 3/25 | loss 1.2").group(1) == "3"
+
+
+def test_device_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(REPOSITORY / "benchmarks/device.sh")], check=True)
+
+
+# -- the suites at tiny shapes -----------------------------------------------------------------------------------------
+
+
+def run_suite(tmp_path, suite: str, *arguments: str) -> list[dict]:
+    path = tmp_path / f"{suite}.jsonl"
+    command = [sys.executable, f"benchmarks/{suite}.py", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+    completed = subprocess.run(
+        [*command, "--json", str(path), *arguments], cwd=REPOSITORY, capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def statuses(records: list[dict]) -> dict[tuple[str, str], str]:
+    return {
+        (record["case"], record["contender"]): record["status"] for record in records if record["record"] == "result"
+    }
+
+
+@pytest.mark.slow
+def test_llama_suite_runs_ours_and_transformers_with_equal_losses(tmp_path):
+    records = run_suite(tmp_path, "llama", "--cases", "4x4096", "--ours", "compile=none", "--peers", "transformers")
+    found = statuses(records)
+    assert found == {("4x4096", "ours (compile=none)"): "ok", ("4x4096", "transformers (sdpa)"): "ok"}
+    results = [record for record in records if record["record"] == "result"]
+    assert all(result["extra"]["loss0 ok"] for result in results)
+
+
+@pytest.mark.slow
+def test_mamba2_suite_runs_ours_and_reports_a_missing_mamba_ssm(tmp_path):
+    found = statuses(run_suite(tmp_path, "mamba2", "--cases", "4x4096", "layer", "--ours", "compile=none"))
+    assert found[("4x4096", "ours (compile=none)")] == "ok" and found[("layer", "ours (blockzoo mamba_2)")] == "ok"
+    if importlib.util.find_spec("mamba_ssm") is None:  # where it is installed, its Triton kernels need a GPU
+        assert found[("layer", "mamba_ssm Mamba2 (use_mem_eff_path=False)")] == "absent"
+        assert found[("4x4096", "mamba_ssm MambaLMHeadModel (Mamba2)")] == "absent"
+
+
+@pytest.mark.slow
+def test_moe_suite_runs_ours_and_transformers(tmp_path):
+    found = statuses(run_suite(tmp_path, "moe", "--cases", "mixtral"))
+    assert found[("mixtral", "ours (blockzoo moe)")] == "ok"
+    assert found[("mixtral", "transformers Mixtral block, eager, fp32 + autocast")] == "ok"
+
+
+@pytest.mark.slow
+def test_kernels_suite_runs_a_case_of_each_kind(tmp_path):
+    cases = ["rmsnorm-32768x2048", "add-rmsnorm-32768x2048", "rotary-4096x64", "swiglu-16384x8192", "ce-50288"]
+    records = run_suite(tmp_path, "kernels", "--cases", *cases, "conv-16384")
+    found = statuses(records)
+    for record in records:
+        if record["record"] == "case" and record["case"] in cases:
+            ours_result = next(result for result in record["results"] if result["ours"])
+            assert ours_result["status"] == "ok", record["case"]
+    assert found[("conv-16384", "ours (blockzoo.ssm.causal_conv1d)")] == "ok"
+    assert found[("conv-16384", "plain torch (shifted taps), eager")] == "ok"
+
+
+@pytest.mark.slow
+def test_trainer_suite_times_the_trainer_and_the_bare_step(tmp_path):
+    found = statuses(run_suite(tmp_path, "trainer", "--cases", "gpu", "--ours", "compile=none"))
+    assert found == {("gpu", "Trainer (compile=none)"): "ok", ("gpu", "bare step (compile=none)"): "ok"}
