@@ -75,23 +75,25 @@ class DebugHooks:
         self._handles: list[RemovableHandle] = []
         self._restore: list[Callable[[], None]] = []
 
-    def check(self, tensor: Any, where: str, direction: str) -> None:
-        """Compare `tensor` (a tensor, or a tuple or list of them) across the tensor group; raise at a difference."""
+    def check(self, tensor: Any, name: str, direction: str, what: str) -> None:
+        """Compare `tensor` (a tensor, or a tuple or list of them), `what` of module `name`, across the tensor group;
+        raise at a difference."""
         if isinstance(tensor, (tuple, list)):
             for index, item in enumerate(tensor):
-                self.check(item, f"{where}[{index}]", direction)
+                self.check(item, name, direction, f"{what} {index}")
             return
+        where = f"{name} ({direction}: {what})"
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or _compiling():
             return
         group = self.distributed.tensor_group
         try:
             mismatch = compare_across(tensor, group, **self.tolerance)
         except ParallelMismatchError as error:
-            raise ParallelMismatchError(f"tensor-parallel ranks disagree at {where} ({direction}): {error}") from None
+            raise ParallelMismatchError(f"tensor-parallel ranks disagree at {where}: {error}") from None
         self.checked[direction] += 1
         if mismatch is not None:
             raise ParallelMismatchError(
-                f"tensor-parallel ranks disagree at {where} ({direction}): {mismatch.describe()}; tolerance "
+                f"tensor-parallel ranks disagree at {where}: {mismatch.describe()}; tolerance "
                 f"rtol={self.tolerance['rtol']:g}, atol={self.tolerance['atol']:g} "
                 f"({self.distributed.config.compute_dtype} compute)"
             )
@@ -110,9 +112,9 @@ class DebugHooks:
 
         def checked_loss(*args: Any, **kwargs: Any) -> Any:
             cross_entropy, losses = loss(*args, **kwargs)
-            self.check(cross_entropy, "loss", FORWARD)
+            self.check(cross_entropy, "loss", FORWARD, "the cross-entropy")
             for name, value in losses.items():
-                self.check(value, f"loss {name}", FORWARD)
+                self.check(value, "loss", FORWARD, f"the named loss {name}")
             return cross_entropy, losses
 
         model.loss = checked_loss
@@ -128,24 +130,22 @@ class DebugHooks:
     def _input_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             for index, arg in enumerate(args):
-                self._watch_gradient(arg, f"{name} (the gradient of its input{'' if index == 0 else f' {index}'})", 0)
+                self._watch_gradient(arg, name, f"input{'' if index == 0 else f' {index}'}", 0)
 
         return hook
 
     def _output_hook(self, name: str, watch: Watch) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if watch.output:
-                self.check(output, name, FORWARD)
+                self.check(output, name, FORWARD, "its output")
             if watch.output_gradient:
                 outputs = output if isinstance(output, (tuple, list)) else (output,)
                 for index, tensor in enumerate(outputs):
-                    self._watch_gradient(
-                        tensor, f"{name} (the gradient of its output{'' if index == 0 else f' {index}'})", 1
-                    )
+                    self._watch_gradient(tensor, name, f"output{'' if index == 0 else f' {index}'}", 1)
 
         return hook
 
-    def _watch_gradient(self, tensor: Any, label: str, order: int) -> None:
+    def _watch_gradient(self, tensor: Any, name: str, role: str, order: int) -> None:
         """Check the gradient of `tensor` once it is complete (summed over every use of the tensor).
 
         A tensor hook changes nothing in the graph, so the gradients stay bit for bit those of the run without debug
@@ -161,12 +161,12 @@ class DebugHooks:
             labels = tensor.__dict__[_LABELS] = ([], [])
 
             def check(grad: torch.Tensor) -> None:
-                names = [*labels[0], *labels[1]]
-                where = names[0] if len(names) == 1 else f"{names[0]} (also: {'; '.join(names[1:])})"
-                self.check(grad, where, BACKWARD)
+                (name, role), *others = [*labels[0], *labels[1]]
+                same = "" if not others else f"; the same tensor as {', '.join(f'{n} {r}' for n, r in others)}"
+                self.check(grad, name, BACKWARD, f"the gradient of its {role}{same}")
 
             tensor.register_hook(check)
-        labels[order].append(label)
+        labels[order].append((name, role))
 
 
 # The names under which the debug mode checks a tensor's gradient, kept on the tensor.
