@@ -217,6 +217,12 @@ class Suite:
         layer = Mamba2(
             d_model=shape.hidden, **shapes.mamba_ssm_layer_options(shape), device=self.device, dtype=torch.float32
         )
+        mixer = shapes.mamba2_mixer(shape)
+        ours_count = shapes.parameter_count(
+            shapes.our_layer(mixer, kind="mixer", hidden=shape.hidden, device="cpu", initialize=False)
+        )
+        if shapes.parameter_count(layer) != ours_count:
+            raise ValueError(f"mamba_ssm's Mamba2 has {shapes.parameter_count(layer)} parameters, ours {ours_count}")
         if self.layer_weights is not None:
             shapes.load_into(layer, self.layer_weights)
 

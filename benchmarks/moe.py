@@ -67,6 +67,7 @@ class Suite:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.weights: dict[str, torch.Tensor] | None = None  # ours, in transformers' names, on the CPU
         self.output: torch.Tensor | None = None  # ours, on the CPU
+        self.parameters = 0  # ours, in the current case
 
     def time(self, step) -> harness.Timing:
         return harness.time_steps(step, warmup=self.arguments.warmup, steps=self.arguments.steps, device=self.device)
@@ -82,22 +83,16 @@ class Suite:
             flops=shapes.moe_layer_flops(shape),
         )
         self.weights = self.output = None
+        layer = shapes.our_layer(
+            shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False
+        )
+        self.parameters = shapes.parameter_count(layer)
+        case.notes.append(f"{self.parameters} parameters")
         try:
-            case.notes.append(
-                f"transformers' default experts implementation: {shapes.default_experts_implementation(shape)}"
-            )
-            with torch.device("meta"):
-                count = shapes.parameter_count(shapes.transformers_moe_block(shape))
-            ours_count = shapes.parameter_count(
-                shapes.our_layer(
-                    shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False
-                )
-            )
-            if count != ours_count:
-                raise ValueError(f"transformers' block has {count} parameters, ours {ours_count}")
-            case.notes.append(f"{count} parameters each")
-        except Exception as error:  # noqa: BLE001 - a note; the contenders still run
-            case.notes.append(f"could not check the block: {harness.first_line(error)}")
+            default = shapes.default_experts_implementation(shape)
+            case.notes.append(f"transformers' default experts implementation for this family: {default}")
+        except Exception as error:  # noqa: BLE001 - a note
+            case.notes.append(f"transformers' default experts implementation unknown: {harness.first_line(error)}")
         generator = torch.Generator(device=self.device).manual_seed(0)
         hidden = torch.randn(shape.tokens, shape.hidden, device=self.device, generator=generator).to(self.dtype)
         output_grad = torch.randn_like(hidden)
@@ -147,6 +142,9 @@ class Suite:
         with liger_experts(shape.family) if liger else contextlib.nullcontext():
             with torch.device(self.device):
                 block = shapes.transformers_moe_block(shape, implementation)
+            count = shapes.parameter_count(block)
+            if count != self.parameters:
+                raise ValueError(f"transformers' block has {count} parameters, ours {self.parameters}")
             if self.weights is not None:
                 shapes.load_into(block, self.weights)
             autocast = precision == "fp32 + autocast"
