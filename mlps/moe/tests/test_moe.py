@@ -1,7 +1,9 @@
 """The mixture of experts on one process: against a plain per-token float64 loop for every routing variant, gated or
 not, with and without biases and shared experts (outputs and gradients); the load-balancing and z-loss values and
 gradients against their formulas; router jitter; every config field changes the layer; per-component settings;
-FLOPs against a hand count; config errors; the plugin's registration."""
+FLOPs against a hand count; config errors; the plugin's registration; the expert order, the gather-based dispatch
+and combine against plain indexing (gradcheck). On CUDA: no host sync in the routed path, and the compiled pieces
+(BLOCKZOO_MOE_COMPILE=1) against the eager ones."""
 
 import math
 import subprocess
@@ -18,8 +20,9 @@ from blockzoo.layers.base import Batch
 from blockzoo.layers.config import GENERATION_CACHE, TENSOR_PARALLEL, MLPConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
+from blockzoo_moe import moe
 from blockzoo_moe.config import EXPERT_PARALLEL, MoEMLPConfig
-from blockzoo_moe.moe import MoEMLP
+from blockzoo_moe.moe import ExpertOrder, MoEMLP
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 8, 6, 5, 2
 LENGTHS = [5, 6]
@@ -556,3 +559,87 @@ def test_the_router_runs_in_float32_whatever_the_compute_dtype():
     hidden = inputs()[0].to(torch.bfloat16)
     output = model(hidden, Batch(LENGTHS))
     assert seen == [(torch.float32, torch.float32)] and output.dtype == torch.bfloat16
+
+
+def test_the_expert_order_against_a_plain_sort():
+    selected = torch.tensor([[3, 0], [1, 3], [0, 2], [3, 1], [4, 0]])
+    order = ExpertOrder.of(selected, experts=6)
+    pairs = sorted(range(selected.numel()), key=lambda pair: (int(selected.flatten()[pair]), pair))  # stable
+    assert order.tokens.tolist() == [pair // 2 for pair in pairs]
+    assert order.sorted_experts.tolist() == sorted(selected.flatten().tolist())
+    assert [pairs[row] for row in order.inverse.tolist()] == list(range(selected.numel()))
+    assert order.counts.tolist() == [3, 2, 1, 3, 1, 0]  # expert 5 chosen by no token
+
+
+def test_dispatch_and_combine_equal_plain_indexing_and_their_gradients_check():
+    generator = torch.Generator().manual_seed(3)
+    selected = torch.stack([torch.randperm(5, generator=generator)[:3] for _ in range(7)])  # 7 tokens, top-3
+    order = ExpertOrder.of(selected, experts=5)
+    hidden = torch.randn(7, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    outputs = torch.randn(21, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    scores = torch.rand(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    def dispatch(hidden):
+        return moe._Dispatch.apply(hidden, order.tokens, order.inverse, 3)
+
+    def combine(outputs, scores):
+        return moe._Combine.apply(outputs, scores, order.tokens, order.inverse)
+
+    torch.testing.assert_close(dispatch(hidden), hidden[order.tokens])
+    # Pair p = (t, j) went to sorted row inverse[p]: the token's sum over its choices, weighted by the scores.
+    expected = torch.stack([sum(scores[t, j] * outputs[order.inverse[3 * t + j]] for j in range(3)) for t in range(7)])
+    torch.testing.assert_close(combine(outputs, scores), expected)
+    assert torch.autograd.gradcheck(dispatch, (hidden,))
+    assert torch.autograd.gradcheck(combine, (outputs, scores))
+
+
+def test_the_compile_switch_only_applies_on_cuda(monkeypatch):
+    monkeypatch.setenv(moe.COMPILE_VARIABLE, "1")
+    assert moe._piece(moe._gather_sum, torch.zeros(2)) is moe._gather_sum
+    assert not moe._compiling(torch.zeros(2))
+    monkeypatch.setenv(moe.COMPILE_VARIABLE, "0")
+    assert not moe._compiling(torch.zeros(2, device="meta"))
+
+
+def _bf16_layer(experts=8, top_k=2, seed=3):
+    hidden_size = 64
+    config = make_config(intermediate_size=32, experts=experts, experts_per_token=top_k, shared_experts=1)
+    distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    model = MoEMLP(config, name="mlp", hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1)
+    hidden = torch.randn(96, hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    return model.cuda(), hidden.cuda()
+
+
+@pytest.mark.gpu
+def test_the_routed_path_does_not_sync_with_the_host():
+    """Forward and backward on CUDA (grouped GEMMs, losses on) with CUDA's sync debug mode set to error: any
+    device-to-host read in the layer raises."""
+    model, hidden = _bf16_layer()
+    batch = Batch([96], device="cuda")
+    inputs = hidden.detach().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        output = model(inputs, batch)
+        loss = output.float().square().sum() + sum(batch.losses.values())
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert inputs.grad is not None and model.uses_grouped_mm(hidden)
+
+
+@pytest.mark.gpu
+def test_the_compiled_pieces_equal_the_eager_ones(monkeypatch):
+    """BLOCKZOO_MOE_COMPILE=1 (torch.compile of the gathers, sums and the gated activation) against eager on the same
+    layer and inputs: output, input gradient and every parameter's gradient."""
+    model, hidden = _bf16_layer(experts=16, top_k=4)
+    results = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(moe.COMPILE_VARIABLE, switch)
+        model.zero_grad()
+        inputs = hidden.detach().requires_grad_()
+        output = model(inputs, Batch([96], device="cuda"))
+        output.float().square().sum().backward()
+        results.append([output.float(), inputs.grad.float(), *(p.grad.float() for p in model.parameters())])
+    for compiled, eager in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)

@@ -2,8 +2,15 @@
 
 Dropless computation: the (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous;
 each projection is then one matrix product per expert (CPU, fp32) or one grouped GEMM over all experts
-(`torch._grouped_mm`, CUDA bf16, no host sync); the outputs are weighted by the routing scores and summed back per
-token.
+(`torch._grouped_mm`, CUDA bf16); the outputs are weighted by the routing scores and summed back per token.
+The permutation is computed once per forward (`ExpertOrder`) and reused by the backward. Both ways between the
+tokens and the sorted pairs are gathers: the dispatch's backward sums each token's k gradient rows, and the
+combine is a weighted sum over each token's k output rows, never a scatter-add (no atomics, no sort in the
+backward). Nothing waits for the device (no host sync) on the CUDA path without expert parallelism. The router
+and the top-k run in float32 whatever the compute dtype (close scores choose differently in bf16).
+
+`BLOCKZOO_MOE_COMPILE=1` runs the small elementwise pieces (the gathers with their sums and scalings, the gated
+activation) through `torch.compile` on CUDA, so each is one fused kernel; off by default.
 
 Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: each rank computes a partial sum
 of every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so
@@ -19,12 +26,13 @@ backward exchanges the gradients the same way, so an expert's gradient holds eve
 
 from __future__ import annotations
 
+import functools
+import os
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.api import (
@@ -67,6 +75,107 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         output_splits, input_splits = ctx.splits
         return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+COMPILE_VARIABLE = "BLOCKZOO_MOE_COMPILE"
+
+
+def _compiling(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and os.environ.get(COMPILE_VARIABLE, "0") == "1"
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function)
+
+
+def _piece(function, tensor: torch.Tensor):
+    """`function`, through torch.compile where BLOCKZOO_MOE_COMPILE=1 and `tensor` is on CUDA."""
+    return _compiled(function) if _compiling(tensor) else function
+
+
+class ExpertOrder(NamedTuple):
+    """The (token, expert) pairs sorted by expert; pair p = token · k + j is the token's j-th choice.
+
+    `tokens[i]`: the token of sorted row i; `inverse[p]`: the sorted row of pair p; `sorted_experts[i]`: its expert;
+    `counts[e]`: the rows of expert e. All on the device, computed without a host sync."""
+
+    tokens: torch.Tensor
+    inverse: torch.Tensor
+    sorted_experts: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, selected: torch.Tensor, experts: int) -> ExpertOrder:
+        """From `selected` [tokens, k], each token's experts."""
+        flat = selected.flatten()
+        order = flat.argsort(stable=True)  # sorted row i holds pair order[i]
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        # Not bincount: on CUDA it reads the largest value back to the host.
+        counts = flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))
+        return cls(order // selected.shape[1], inverse, flat[order], counts)
+
+
+def _gather_sum(rows: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+    """Σ_j rows[index[t·k + j]] for every t: [len(index) / k, width]."""
+    return rows.index_select(0, index).view(-1, k, rows.shape[-1]).sum(1)
+
+
+def _weighted_gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_j weights[t, j] · rows[index[t·k + j]] for every t, accumulated in fp32: [len(weights), width]."""
+    gathered = rows.index_select(0, index).view(*weights.shape, rows.shape[-1])
+    return torch.bmm(weights.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)
+
+
+def _combine_backward(
+    grad: torch.Tensor, outputs: torch.Tensor, tokens: torch.Tensor, sorted_scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad[tokens[i]] · sorted_scores[i], Σ_h grad[tokens[i], h] · outputs[i, h]) for every sorted row i, the
+    dot products in fp32."""
+    grad_rows = grad.index_select(0, tokens)
+    return grad_rows * sorted_scores.to(grad.dtype).unsqueeze(-1), (grad_rows * outputs).sum(-1, dtype=torch.float32)
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation) -> torch.Tensor:
+    return activation(gate) * up
+
+
+class _Dispatch(torch.autograd.Function):
+    """hidden[tokens]: the tokens' rows in the experts' order (each token k times). Backward: each token's gradient
+    is the sum of its k rows', gathered through `inverse` (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return hidden.index_select(0, tokens)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _piece(_gather_sum, grad)(grad, inverse, ctx.k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Σ_j scores[t, j] · outputs[inverse[t·k + j]]: each token's k expert outputs (in the experts' order), weighted.
+    Backward: the outputs' gradient is the token's gradient times the pair's score, and each score's gradient the
+    dot product of the token's gradient with the pair's output; both gathered, in the outputs' order."""
+
+    @staticmethod
+    def forward(
+        ctx, outputs: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(outputs, scores, tokens, inverse)
+        return _piece(_weighted_gather_sum, outputs)(outputs, inverse, scores)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        outputs, scores, tokens, inverse = ctx.saved_tensors
+        # The scores in the outputs' order: sorted row inverse[p] holds pair p.
+        sorted_scores = torch.empty_like(scores.flatten()).index_copy_(0, inverse, scores.flatten())
+        grad_outputs, dots = _piece(_combine_backward, grad)(grad, outputs, tokens, sorted_scores)
+        grad_scores = dots.index_select(0, inverse).view(scores.shape).to(scores.dtype)
+        return grad_outputs, grad_scores, None, None
 
 
 class ExpertProjection(nn.Module):
@@ -216,8 +325,9 @@ class MoEMLP(MLP):
         # The router in float32 whatever the compute dtype: close scores choose differently in bf16.
         logits = self.router(self._jittered(hidden).float())
         scores, selected = self.route(logits)
-        self._add_losses(logits, selected, batch)
-        output = self._routed_experts(hidden, scores.to(hidden.dtype), selected)
+        order = ExpertOrder.of(selected, self.config.experts)
+        self._add_losses(logits, order.counts, batch)
+        output = self._routed_experts(hidden, scores.to(hidden.dtype), selected, order)
         if self.config.shared_experts:
             output = output + self._shared_experts(hidden)
         return output
@@ -271,11 +381,12 @@ class MoEMLP(MLP):
         noise = torch.empty_like(hidden).uniform_(1 - jitter, 1 + jitter, generator=self._jitter_generator)
         return hidden * noise
 
-    def _add_losses(self, logits: torch.Tensor, selected: torch.Tensor, batch: Batch) -> None:
+    def _add_losses(self, logits: torch.Tensor, counts: torch.Tensor, batch: Batch) -> None:
+        """`counts`: the (token, expert) pairs routed to each expert."""
         config = self.config
         if config.auxiliary_loss_coefficient:
             # Fraction of the routings that go to each expert (not differentiable) · mean probability of each expert.
-            routed_fraction = F.one_hot(selected, config.experts).sum(dim=1).float().mean(dim=0)
+            routed_fraction = counts.float() / len(logits)
             mean_probability = self.probabilities(logits).mean(dim=0)
             balance = config.experts * (routed_fraction * mean_probability).sum()
             batch.add_loss(f"{self.name}.load_balancing", config.auxiliary_loss_coefficient * balance)
@@ -283,20 +394,21 @@ class MoEMLP(MLP):
             z_loss = torch.logsumexp(logits, dim=-1).square().mean()
             batch.add_loss(f"{self.name}.router_z_loss", config.z_loss_coefficient * z_loss)
 
-    def _routed_experts(self, hidden: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    def _routed_experts(
+        self, hidden: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor, order: ExpertOrder | None = None
+    ) -> torch.Tensor:
         group, top_k = self._tensor_group, self.config.experts_per_token
-        # Sort the (token, expert) pairs by expert: each expert's tokens are then one contiguous block.
-        flat_experts = selected.flatten()
-        order = flat_experts.argsort(stable=True)
-        tokens = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.config.experts)
-        routed = copy_to_tensor_region(hidden, group)[tokens]
+        if order is None:
+            order = ExpertOrder.of(selected, self.config.experts)
+        # Each expert's tokens one contiguous block of rows.
+        routed = _Dispatch.apply(copy_to_tensor_region(hidden, group), order.tokens, order.inverse, top_k)
         if self._data_group is not None:
-            outputs = self._exchanged_expert_products(routed, counts)
+            outputs = self._exchanged_expert_products(routed, order.counts)
         else:
-            outputs = self._expert_products(routed, counts, flat_experts[order])
-        outputs = outputs * copy_to_tensor_region(scores, group).flatten()[order, None]
-        combined = reduce_from_tensor_region(hidden.new_zeros(hidden.shape).index_add(0, tokens, outputs), group)
+            outputs = self._expert_products(routed, order.counts, order.sorted_experts)
+        region_scores = copy_to_tensor_region(scores, group)
+        combined = _Combine.apply(outputs, region_scores, order.tokens, order.inverse)
+        combined = reduce_from_tensor_region(combined, group)
         if self.down.bias is not None and self._data_group is None:
             # Each expert's bias weighted by the token's score for it; replicated, so added after the reduction.
             weights = scores.new_zeros(len(hidden), self.config.experts).scatter(1, selected, scores)
@@ -340,8 +452,10 @@ class MoEMLP(MLP):
         return gate_up, gate_up_bias, self.down.weight.to(dtype).view(experts, intermediate, -1)
 
     def _activate(self, projected: list[torch.Tensor]) -> torch.Tensor:
-        activated = self._activation(projected[0])
-        return activated * projected[1] if self.config.gated else activated
+        if not self.config.gated:
+            return self._activation(projected[0])
+        # Compiled: one kernel each way, and only gate and up are kept for the backward.
+        return _piece(_gated, projected[0])(projected[0], projected[1], self._activation)
 
     def _looped_expert_products(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert's MLP (without the down bias) over its block of `routed`: one matrix product per expert."""
