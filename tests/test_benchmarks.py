@@ -257,6 +257,23 @@ def test_restored_undoes_patches_of_a_module_and_its_classes():
     assert Model().forward() == "original" and not hasattr(Model, "extra")
 
 
+def test_liger_patches_are_undone_after_their_contender():
+    """liger-kernel patches transformers' classes globally: the suites apply it for one contender and undo it, so the
+    peers after it run plain transformers."""
+    pytest.importorskip("liger_kernel.transformers", reason="liger-kernel is not installed here")
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mixtral import modeling_mixtral
+
+    from benchmarks.llama import liger_patched
+    from benchmarks.moe import liger_experts
+
+    before = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaForCausalLM.forward, modeling_mixtral.MixtralExperts)
+    with liger_patched(), liger_experts("mixtral"):
+        assert modeling_llama.LlamaRMSNorm is not before[0] and modeling_mixtral.MixtralExperts is not before[2]
+    after = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaForCausalLM.forward, modeling_mixtral.MixtralExperts)
+    assert after == before
+
+
 # -- ours --------------------------------------------------------------------------------------------------------------
 
 
