@@ -52,10 +52,11 @@ class Batch:
         # on a GPU, from pinned memory without waiting, so making a batch never stalls the device queue.
         self.device = torch.device(device)
         lengths_on_host = torch.as_tensor(lengths, dtype=torch.int64).cpu()
-        if lengths_on_host.ndim != 1 or len(lengths_on_host) == 0 or bool((lengths_on_host <= 0).any()):
+        as_list = lengths_on_host.tolist()
+        if lengths_on_host.ndim != 1 or not as_list or min(as_list) <= 0:
             raise ValueError(f"document lengths must be a non-empty list of positive integers, got {lengths}")
-        self.num_tokens = int(lengths_on_host.sum())
-        self.max_length = int(lengths_on_host.max())
+        self.num_tokens = sum(as_list)
+        self.max_length = max(as_list)
         cu_seqlens = torch.nn.functional.pad(lengths_on_host.cumsum(0), (1, 0)).to(torch.int32)
         document_index = torch.repeat_interleave(torch.arange(len(lengths_on_host)), lengths_on_host)
         # Position of each token in its document (plus what the cache holds, when generating).

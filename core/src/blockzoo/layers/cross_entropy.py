@@ -105,8 +105,14 @@ def linear_cross_entropy(
 
 
 def _check_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
-    # One device sync; a label out of range would otherwise give a silently wrong loss (no rank holds its column).
+    # A label out of range would otherwise give a silently wrong loss (no rank holds its column). On a GPU the check
+    # is an asynchronous device assertion: reading the result back would stall the host at every micro-batch.
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if labels.device.type != "cpu":
+        torch._assert_async(
+            ~outside.any(), f"linear_cross_entropy: a label is outside the vocabulary [0, {vocab_size})"
+        )
+        return
     if bool(outside.any()):
         bad = int(labels[outside][0])
         raise ValueError(f"linear_cross_entropy: label {bad} is outside the vocabulary [0, {vocab_size})")
