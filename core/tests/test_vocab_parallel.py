@@ -6,8 +6,8 @@ vocab-parallel embeddings and head, against the single process.
   float64 `F.cross_entropy` on the materialized logits, with vocabularies the ranks do not divide (padding; a rank
   holding only padding), ignored tokens, chunks, and sequence-tensor-parallel inputs.
 - The model on TP2 / STP2 / TP4 / STP4 with vocab 257 (padded), tied and untied: the loss (under STP each rank's is
-  its tokens' share), the logits of `model(input_ids)` and every parameter's gradient equal the single process's; a
-  checkpoint saved under TP2 loads in one process and the reverse.
+  its tokens' share), the logits of `model(input_ids)`, greedy generation (TP) and every parameter's gradient equal
+  the single process's; a checkpoint saved under TP2 loads in one process and the reverse.
 
 The core alone builds no tensor-parallel layer, so a tiny MLP (column-parallel up, row-parallel down) is registered
 here as an in-process plugin. One spawn per world size runs all its cases.
@@ -265,6 +265,9 @@ def _check_model_case(label: str, tied: bool, positions: bool, settings: dict) -
         logits, expected_logits = model(input_ids), reference(input_ids)
     assert logits.shape == (2, 12, VOCAB), label
     torch.testing.assert_close(logits, expected_logits, **TOLERANCE, msg=f"{label}: logits")
+    if not distributed.sequence_tensor_parallel:  # generation gathers the vocabulary slices of the last logits
+        prompts = [[1, VOCAB - 1, 7], [3]]
+        assert model.generate(prompts, 4) == reference.generate(prompts, 4), f"{label}: generation"
 
 
 def _check_checkpoints(root: Path) -> None:
