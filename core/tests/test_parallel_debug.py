@@ -10,6 +10,7 @@ its claim (`fault`), and a plain column/row MLP. One spawn of two gloo ranks run
 """
 
 import logging
+import os
 import types
 from typing import Literal
 
@@ -48,7 +49,7 @@ from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import register_plugin, reset_registry
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
+from blockzoo.testing.distributed import free_port, run_distributed
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The test plugin
@@ -349,19 +350,23 @@ def _check_ranks_must_agree(distributed: Distributed) -> None:
     check_ranks_agree(_run_config(), distributed)
 
 
-def _check_cli_train_destroys_the_process_group(config: str) -> None:
+def _check_cli_train_destroys_the_process_group(config: str, ports: list[int]) -> None:
+    # Each process group on a port of its own: a new one on the port of a destroyed one may meet its stale store.
+    os.environ["MASTER_PORT"] = str(ports[0])
     assert cli.main(["train", config]) == 0
     assert not dist.is_initialized()
     # A failure inside the run (its data files are missing: a usage error, exit 2) destroys it too.
+    os.environ["MASTER_PORT"] = str(ports[1])
     assert cli.main(["train", config, "data={type: memmap, path: /nonexistent/tokens}"]) == 2
     assert not dist.is_initialized()
+    os.environ["MASTER_PORT"] = str(ports[2])
     with pytest.raises(KeyboardInterrupt), Distributed(DistributedConfig(backend="gloo", timeout=60)):
         assert dist.is_initialized()
         raise KeyboardInterrupt
     assert not dist.is_initialized()
 
 
-def _parallel_cases(config: str) -> None:
+def _parallel_cases(config: str, ports: list[int]) -> None:
     logging.disable(logging.WARNING)  # the planted mismatches are logged on purpose
     _register_test_plugin()  # a spawned rank does not inherit its parent's in-process plugins
     with Distributed(DistributedConfig(seed=77, backend="gloo", timeout=60)) as world:
@@ -375,7 +380,7 @@ def _parallel_cases(config: str) -> None:
         _check_fsdp_parameters_are_compared_where_replicated(world)
         _check_ranks_must_agree(world)
     assert not dist.is_initialized()
-    _check_cli_train_destroys_the_process_group(config)
+    _check_cli_train_destroys_the_process_group(config, ports)
 
 
 @pytest.mark.distributed
@@ -388,4 +393,4 @@ def test_debug_mode_rank_agreement_and_shutdown(tmp_path):
         "training": {"train_iters": 1, "log_interval": 1, "output_dir": str(tmp_path / "run")},
     }
     config.write_text(yaml.safe_dump(data))
-    run_distributed(2, _parallel_cases, str(config))
+    run_distributed(2, _parallel_cases, str(config), [free_port() for _ in range(3)])
