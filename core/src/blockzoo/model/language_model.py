@@ -55,11 +55,10 @@ def vocab_dim(vocab_size: int) -> PaddedTensorDim:
     return PaddedTensorDim("vocab", vocab_size, parallel=True)
 
 
-def _vocab_slice(distributed: Distributed, vocab_size: int) -> tuple[int, int, int]:
-    """(first id, rows, real rows) of this tensor-parallel rank's slice of the vocabulary."""
-    dim = vocab_dim(vocab_size)
-    rows = dim.local_size(distributed.tensor_size)
-    return distributed.tensor_rank * rows, rows, dim.valid_size(distributed.tensor_rank, distributed.tensor_size)
+def _vocab_slice(distributed: Distributed, vocab_size: int) -> tuple[int, int]:
+    """(first id, rows) of this tensor-parallel rank's slice of the vocabulary (the last rows may be padding)."""
+    rows = vocab_dim(vocab_size).local_size(distributed.tensor_size)
+    return distributed.tensor_rank * rows, rows
 
 
 class Embeddings(nn.Module):
@@ -106,7 +105,7 @@ class Embeddings(nn.Module):
 
     def _vocab_parallel_lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of the ids in this rank's slice of the vocabulary, zeros for the others (all tokens)."""
-        start, rows, _ = _vocab_slice(self.distributed, self.vocab_size)
+        start, rows = _vocab_slice(self.distributed, self.vocab_size)
         local = tokens - start
         elsewhere = (local < 0) | (local >= rows)
         # Masking the output also masks the gradient: row 0, which the ids elsewhere look up, gets none from them.
@@ -170,7 +169,7 @@ class Head(nn.Module):
         """
         hidden = self.normalization(hidden)
         distributed = self.distributed
-        start, _, _ = _vocab_slice(distributed, self.vocab_size)
+        start, _ = _vocab_slice(distributed, self.vocab_size)
         options = {"tensor_group": distributed.tensor_group, "vocab_start": start, "vocab_size": self.vocab_size}
         if not distributed.sequence_tensor_parallel:
             return linear_cross_entropy(hidden, self.output_weight, labels, **options)
