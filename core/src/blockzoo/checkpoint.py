@@ -210,14 +210,18 @@ def _stream(
     stops the writing, not the gathering, so that no rank waits forever in a collective; it is returned."""
     failure: BaseException | None = None
     writers: dict[str, SafetensorsWriter] = {}
-    try:
-        for file, layout in layouts.items():
-            if distributed.rank == 0 or layout.writes:
-                writers[file] = SafetensorsWriter(
-                    temporary / file, layout.tensors, create=distributed.rank == 0, writes=layout.writes
-                )
-    except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
-        failure = error
+    # Rank 0 makes the files first; the other writers (pipeline stages) open them once every rank is past that.
+    for creating in (True, False):
+        try:
+            for file, layout in layouts.items():
+                if (distributed.rank == 0) == creating and (creating or layout.writes):
+                    writers[file] = SafetensorsWriter(
+                        temporary / file, layout.tensors, create=creating, writes=layout.writes
+                    )
+        except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
+            failure = failure or error
+        if creating and distributed.config.pipeline_parallel > 1:
+            dist.barrier()
     for file, entries in tensors.items():
         for name, (parameter, value, _, _) in entries.items():
             tensor = _to_global(value, parameter, distributed)

@@ -72,9 +72,13 @@ def load_weights(fmt: HuggingfaceFormat, directory: Path, model: Any, distribute
     """Fill the model's parameters (this rank's shards of them) from the directory."""
     parameters = dict(model.named_parameters())
     expected = {name: tuple(parameter.meta.global_shape) for name, parameter in parameters.items()}
+    if distributed.config.pipeline_parallel > 1:  # a pipeline stage holds some of the model's parameters
+        expected = parameter_shapes(model.config)
     ranks = (distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size)
     with torch.no_grad():
         for name, tensor in stream_import(fmt, directory, model.config, expected):
+            if name not in parameters:
+                continue  # another pipeline stage's
             parameter = parameters[name]
             parameter.copy_(parameter.meta.global_to_local(tensor, *ranks))
 

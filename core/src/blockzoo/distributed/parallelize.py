@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +36,11 @@ from blockzoo.layers.base import Batch
 from blockzoo.run_config import RunConfig
 
 
-def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
+def parallelize(model: nn.Module, run_config: RunConfig, stages: Sequence[nn.Module] | None = None) -> nn.Module:
     """Apply the run's recomputation and compilation policies, then its data parallelism (`distributed.zero_stage`,
     over the data ranks of `model.distributed`) to `model` (a `LanguageModel`), in place. Build the optimizer after:
-    FSDP replaces the parameters."""
+    FSDP replaces the parameters. Under pipeline parallelism, `stages` are this rank's pipeline stages
+    (`blockzoo.distributed.pipeline.StageModule`): each is an FSDP root, its blocks its units."""
     training = run_config.training
     for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
         policy = training.recompute_blocks.get(name, training.recompute)
@@ -47,7 +48,10 @@ def parallelize(model: nn.Module, run_config: RunConfig) -> nn.Module:
             block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
         elif policy != "none":
             block.forward = recomputed(block.forward, selective=policy == "selective")
-    shard_data_parallel(model, model.decoder, model.distributed)
+    if stages is None:
+        shard_data_parallel(model, model.decoder, model.distributed)
+    for stage in stages or ():
+        shard_data_parallel(stage, stage.blocks.values(), model.distributed, forward_methods=())
     return model
 
 

@@ -13,12 +13,12 @@ under sequence-tensor-parallel), and, to every stage, the micro-batch's index (a
 finds the micro-batch's `Batch` (document lengths, positions: every pipeline rank reads the same micro-batches) and
 labels. Micro-batch shapes are static: every micro-batch has micro_batch_size × sequence_length tokens.
 
-The loss is computed on the last stage: the cross-entropy summed over labelled tokens times the step's weight (one
-over the labelled tokens of the step on all data ranks), plus the named losses of its layers (MoE router losses)
-times theirs (one over the step's micro-batches on all data ranks), as the trainer does without a pipeline. The
-named losses of the other stages reach the backward pass through their stage's output: `attach_losses` returns the
-hidden states unchanged and, in the backward pass, gives each loss the gradient of its weight (the trick Megatron
-uses for MoE auxiliary losses). Their values, and the cross-entropy, are summed over the pipeline ranks after the
+The loss is computed on the last stage: the cross-entropy summed over labelled tokens over the step's divisor (the
+labelled tokens of the step on all data ranks), plus the named losses of its layers (MoE router losses) over theirs
+(the step's micro-batches on all data ranks), as the trainer computes it without a pipeline. The named losses of the
+other stages reach the backward pass through their stage's output: `attach_losses` returns the hidden states
+unchanged and, in the backward pass, gives each loss the gradient one over its divisor (the trick Megatron uses for
+MoE auxiliary losses). Their values, and the cross-entropy, are summed over the pipeline ranks after the
 step, so every rank logs the same figures.
 
 Tied embedding and output weights: the first stage holds the embedding table, the last stage a copy of it as its
@@ -44,7 +44,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from blockzoo.distributed.runtime import Distributed
+from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import materialize, on_meta_device
 from blockzoo.model.config import ModelConfig
@@ -57,19 +57,11 @@ TIED_COPY = "embeddings.word_embeddings"
 # -- the stages --------------------------------------------------------------------------------------------------------
 
 
-def pipeline_rank(distributed: Distributed) -> int:
-    """This process's coordinate along the pipeline dim (0 without a pipeline)."""
-    return 0 if distributed.mesh is None else distributed.mesh.get_local_rank("pipeline")
-
-
 def local_stages(distributed: Distributed) -> list[int]:
     """The stages this pipeline rank runs: s with s % pipeline_parallel == its rank (looped placement)."""
     config = distributed.config
-    return [
-        stage
-        for stage in range(config.pipeline_stages)
-        if stage % config.pipeline_parallel == pipeline_rank(distributed)
-    ]
+    rank = distributed.pipeline_rank
+    return [stage for stage in range(config.pipeline_stages) if stage % config.pipeline_parallel == rank]
 
 
 class RemotePart(nn.Module):
@@ -123,7 +115,7 @@ class StageModule(nn.Module):
 
     Called as `stage(inputs, micro_batch=index)`: `inputs` are the micro-batch's tokens on the first stage, the
     previous stage's hidden states on the others; `index` (a CPU tensor of one element) names the micro-batch.
-    Returns the hidden states, or on the last stage the micro-batch's weighted loss (shape [1]).
+    Returns the hidden states, or on the last stage the micro-batch's loss as the step weighs it (shape [1]).
     """
 
     def __init__(self, model: LanguageModel, stage: int, blocks: range, num_stages: int, step: _StepState):
@@ -132,6 +124,10 @@ class StageModule(nn.Module):
         self.embeddings = model.embeddings if stage == 0 else None
         self.blocks = nn.ModuleDict({str(index): model.decoder[index] for index in blocks})
         self.head = model.head if stage == num_stages - 1 else None
+        # The last stage's copy of a tied table is in its module tree too, so that a wrapper replacing the head's
+        # weight (FSDP) replaces it under the embedding's name as well.
+        tied_copy = self.head is not None and isinstance(model.embeddings, _TiedCopy)
+        self.tied_copy = model.embeddings if tied_copy else None
         self._step = step
 
     def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
@@ -145,37 +141,38 @@ class StageModule(nn.Module):
         losses = {name: value for name, value in batch.losses.items() if name not in known}
         step.record_named_losses(losses)
         if self.head is None:
-            return attach_losses(hidden, list(losses.values()), step.named_loss_weight)
+            return attach_losses(hidden, list(losses.values()), step.named_loss_divisor)
         cross_entropy = self.head.loss(hidden, labels)
         step.record_cross_entropy(cross_entropy)
-        loss = cross_entropy * step.cross_entropy_weight
-        for value in losses.values():
-            loss = loss + value * step.named_loss_weight
-        return loss.reshape(1)
+        # As the trainer computes it without a pipeline, operation for operation.
+        named = sum(losses.values(), torch.zeros((), device=cross_entropy.device)) / step.named_loss_divisor
+        return cross_entropy.reshape(1) / step.cross_entropy_divisor + named  # [1]: the schedules concatenate them
 
 
 class _AttachLosses(torch.autograd.Function):
-    """`hidden` unchanged; in the backward pass each loss gets the gradient `weight` (its weight in the objective)."""
+    """`hidden` unchanged; in the backward pass each loss gets the gradient 1 / `divisor` (the objective holds the
+    losses' sum over `divisor`)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: Any, *losses: torch.Tensor) -> torch.Tensor:
-        ctx.weight = weight
+    def forward(ctx, hidden: torch.Tensor, divisor: Any, *losses: torch.Tensor) -> torch.Tensor:
+        ctx.divisor = divisor
         ctx.losses = [(loss.shape, loss.dtype, loss.device) for loss in losses]
-        return hidden.view_as(hidden)
+        # A copy, not a view: FSDP warns of (and in-place changes would defeat its hooks on) a view as a stage's output.
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        weight = ctx.weight
-        grads = [torch.ones(shape, dtype=dtype, device=device) * weight for shape, dtype, device in ctx.losses]
+        divisor = ctx.divisor
+        grads = [torch.ones(shape, dtype=dtype, device=device) / divisor for shape, dtype, device in ctx.losses]
         return grad, None, *grads
 
 
-def attach_losses(hidden: torch.Tensor, losses: Sequence[torch.Tensor], weight: Any) -> torch.Tensor:
-    """`hidden`, through which the backward pass also reaches `losses`, each weighted by `weight` (a number or a
-    0-d tensor): for named losses of a stage whose output is not the loss."""
+def attach_losses(hidden: torch.Tensor, losses: Sequence[torch.Tensor], divisor: Any) -> torch.Tensor:
+    """`hidden`, through which the backward pass also reaches `losses`, their sum over `divisor` (a number or a 0-d
+    tensor) being part of the objective: for named losses of a stage whose output is not the loss."""
     if not losses or not torch.is_grad_enabled():
         return hidden
-    return _AttachLosses.apply(hidden, weight, *losses)
+    return _AttachLosses.apply(hidden, divisor, *losses)
 
 
 # -- a step ------------------------------------------------------------------------------------------------------------
@@ -193,11 +190,11 @@ class PipelineMicroBatch:
 
 @attrs.define
 class _StepState:
-    """The step the stages run: its micro-batches and loss weights, and what the stages record of it."""
+    """The step the stages run: its micro-batches and loss divisors, and what the stages record of it."""
 
     micro_batches: Sequence[PipelineMicroBatch] = ()
-    cross_entropy_weight: Any = 1.0
-    named_loss_weight: Any = 0.0
+    cross_entropy_divisor: Any = 1.0
+    named_loss_divisor: Any = 1.0
     cross_entropy: list[torch.Tensor] = attrs.field(factory=list)
     named_losses: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
@@ -221,7 +218,7 @@ class StepLosses:
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # The last stage returns its weighted loss already; the schedules need a target (a placeholder) to call this.
+    # The last stage returns its loss already; the schedules need a target (a placeholder) to call this.
     return output.sum()
 
 
@@ -234,8 +231,8 @@ class Pipeline:
             raise ValueError("a Pipeline needs distributed.pipeline_parallel > 1")
         self.model = model
         self.distributed = distributed
-        self.group = distributed.mesh.get_group("pipeline")
-        self.rank = pipeline_rank(distributed)
+        self.group = distributed.pipeline_group
+        self.rank = distributed.pipeline_rank
         self.num_stages = config.pipeline_stages
         self.stage_blocks = config.stage_blocks(len(model.decoder))
         self.stages = local_stages(distributed)
@@ -261,11 +258,13 @@ class Pipeline:
     # -- running ---------------------------------------------------------------------------------------------------
 
     def step(
-        self, micro_batches: Sequence[PipelineMicroBatch], *, cross_entropy_weight: Any, named_loss_weight: Any
+        self, micro_batches: Sequence[PipelineMicroBatch], *, cross_entropy_divisor: Any, named_loss_divisor: Any
     ) -> StepLosses:
         """Forward and backward passes of the step's micro-batches (gradients accumulate in the parameters; the tied
-        weight's are summed over its two stages); the losses as weighted are what the gradients are of."""
-        losses = self._run(micro_batches, training=True, weights=(cross_entropy_weight, named_loss_weight))
+        weight's are summed over its two stages). The gradients are those of the objective: each micro-batch's
+        cross-entropy over `cross_entropy_divisor` plus its named losses over `named_loss_divisor`."""
+        divisors = (cross_entropy_divisor, named_loss_divisor)
+        losses = self._run(micro_batches, training=True, divisors=divisors)
         self._sum_tied_gradients()
         return losses
 
@@ -273,17 +272,17 @@ class Pipeline:
     def evaluate(self, micro_batches: Sequence[PipelineMicroBatch]) -> torch.Tensor:
         """The cross-entropy summed over the labelled tokens of `micro_batches` (this rank's under sequence-tensor-
         parallel), on every pipeline rank."""
-        return self._run(micro_batches, training=False, weights=(1.0, 0.0)).cross_entropy
+        return self._run(micro_batches, training=False, divisors=(1.0, 1.0)).cross_entropy
 
     def _run(
-        self, micro_batches: Sequence[PipelineMicroBatch], *, training: bool, weights: tuple[Any, Any]
+        self, micro_batches: Sequence[PipelineMicroBatch], *, training: bool, divisors: tuple[Any, Any]
     ) -> StepLosses:
         count = len(micro_batches)
         sizes = {len(micro.tokens) for micro in micro_batches}
         if len(sizes) != 1:
             raise ValueError(f"pipeline micro-batches must all have the same number of tokens, got {sorted(sizes)}")
         step = self._step
-        step.micro_batches, (step.cross_entropy_weight, step.named_loss_weight) = micro_batches, weights
+        step.micro_batches, (step.cross_entropy_divisor, step.named_loss_divisor) = micro_batches, divisors
         step.cross_entropy, step.named_losses = [], {}
         schedule = self._schedule(training, count, sizes.pop())
         args = (torch.cat([micro.tokens for micro in micro_batches]),) if self.holds_first else ()
@@ -360,5 +359,5 @@ class Pipeline:
         if self.tied_group is None:
             return
         weight = self.model.embeddings.word_embeddings
-        if weight.grad is not None:
-            dist.all_reduce(weight.grad, group=self.tied_group)
+        if weight.grad is not None:  # under FSDP, both copies' shards hold the same rows
+            dist.all_reduce(local_tensor(weight.grad), group=self.tied_group)

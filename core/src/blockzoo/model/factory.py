@@ -78,7 +78,9 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     directory = _checkpoint_directory(path)
     data = read_checkpoint_config(directory)
     if distributed is None:
-        data = merge(data, {"distributed": {"tensor_parallel": 1, "sequence_tensor_parallel": False}})
+        alone = {"tensor_parallel": 1, "sequence_tensor_parallel": False, "pipeline_parallel": 1}
+        alone |= {"pipeline_schedule": "1f1b", "pipeline_stages_per_rank": 1, "pipeline_split": None}
+        data = merge(data, {"distributed": alone})
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
     with uninitialized():
         model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))

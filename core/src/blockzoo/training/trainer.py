@@ -34,6 +34,7 @@ from blockzoo.conversion import get_format
 from blockzoo.data.dataset import TrainingBatches, build_dataset
 from blockzoo.distributed.data_parallel import is_sharded, prepare_micro_batch, reshard
 from blockzoo.distributed.parallelize import parallelize
+from blockzoo.distributed.pipeline import Pipeline, build_pipeline_model
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import uninitialized
@@ -74,12 +75,17 @@ class Trainer:
         torch.manual_seed(run_config.distributed.seed)
         last = latest_checkpoint(self.output_dir)
         with uninitialized(pretrained is not None or last is not None):  # the checkpoint has every weight
-            self.model = LanguageModel(run_config.model, self.distributed)
+            if run_config.distributed.pipeline_parallel > 1:  # this rank's stages only
+                self.model = build_pipeline_model(run_config.model, self.distributed)
+            else:
+                self.model = LanguageModel(run_config.model, self.distributed)
         if pretrained is not None:
             load_pretrained_weights(self.model, pretrained, self.distributed)
             self.model.origin = pretrained_origin(pretrained)
             self.log(f"initialized from {pretrained}")
-        parallelize(self.model, run_config)  # recomputation, compilation, then ZeRO: new parameter objects
+        self.pipeline = Pipeline(self.model, self.distributed) if run_config.distributed.pipeline_parallel > 1 else None
+        stages = None if self.pipeline is None else self.pipeline.modules
+        parallelize(self.model, run_config, stages)  # recomputation, compilation, then ZeRO: new parameter objects
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
@@ -199,6 +205,12 @@ class Trainer:
         device = self.distributed.device
         labelled = self._all_reduce_data(sum(micro.labelled() for micro in micro_batches)).clamp(min=1)
         micro_batches_of_all_ranks = len(micro_batches) * self.distributed.data_size
+        if self.pipeline is not None:  # the schedule runs the micro-batches through this rank's stages
+            step = self.pipeline.step(
+                micro_batches, cross_entropy_divisor=labelled, named_loss_divisor=micro_batches_of_all_ranks
+            )
+            named = {name: value / micro_batches_of_all_ranks for name, value in step.named.items()}
+            return self._reduce_loss(step.cross_entropy) / labelled, self._reduce_named(named)
         total_cross_entropy = torch.zeros((), device=device)
         named: dict[str, torch.Tensor] = {}
         for index, micro in enumerate(micro_batches):
@@ -241,23 +253,29 @@ class Trainer:
     def _clip_gradients(self) -> torch.Tensor:
         """The global gradient norm (on the device), the gradients clipped to the config's limit. Squares of
         gradients split over the tensor group are summed over it; of those split over the data group (FSDP shards
-        under ZeRO 1-3, experts under expert parallelism), over the data group."""
+        under ZeRO 1-3, experts under expert parallelism), over the data group; all over the pipeline stages, each
+        counting its own parameters (a tied weight's copy on the last stage is the first stage's)."""
         # squares[tensor-parallel split][data-parallel split]
         squares = torch.zeros(2, 2, device=self.distributed.device)
         grads = []
-        for parameter in unique_trainable(self.model.parameters()):
-            if parameter.grad is None:
+        copies = set() if self.pipeline is None else self.pipeline.copies
+        for name, parameter in self.model.named_parameters():
+            if not parameter.requires_grad or parameter.grad is None:
                 continue
             meta, grad = parameter.meta, local_tensor(parameter.grad)
+            grads.append(grad)
+            if name in copies:
+                continue
             split_over_data = meta.data_parallel_sharded or is_sharded(parameter)
             squares[int(meta.tensor_parallel), int(split_over_data)] += grad.float().pow(2).sum()
-            grads.append(grad)
         if self.distributed.tensor_group is not None and self.distributed.tensor_size > 1:
             dist.all_reduce(squares[1], group=self.distributed.tensor_group)
         if self.distributed.data_group is not None and self.distributed.data_size > 1:
             data_split = squares[:, 1].contiguous()
             dist.all_reduce(data_split, group=self.distributed.data_group)
             squares[:, 1] = data_split
+        if self.pipeline is not None:
+            dist.all_reduce(squares, group=self.distributed.pipeline_group)
         norm = squares.sum().sqrt()
         limit = self.config.gradient_clipping
         if limit is not None and grads:
@@ -273,13 +291,17 @@ class Trainer:
         device = self.distributed.device
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
         batches = self.data.evaluation_batches(**self._data_rank())
-        for micro in itertools.islice(batches, self.config.evaluation.iters):
-            placed = place_micro_batch(micro, device)
-            cross_entropy, _ = self.model.loss(placed.tokens, placed.labels, placed.batch)
-            total += cross_entropy.float()
-            count += placed.labelled()
+        placed = [place_micro_batch(micro, device) for micro in itertools.islice(batches, self.config.evaluation.iters)]
+        if self.pipeline is not None:  # through the stages, forward only
+            total = self.pipeline.evaluate(placed)
+        else:
+            for micro in placed:
+                cross_entropy, _ = self.model.loss(micro.tokens, micro.labels, micro.batch)
+                total += cross_entropy.float()
+        count = sum((micro.labelled() for micro in placed), count)
         (loss,) = to_host([self._reduce_loss(total) / self._all_reduce_data(count).clamp(min=1)])
-        reshard(self.model)  # the forward passes without a backward left weights gathered
+        for module in [self.model] if self.pipeline is None else self.pipeline.modules:
+            reshard(module)  # the forward passes without a backward left weights gathered
         self.evaluations.append((self.step, loss))
         self.log(f"evaluation at step {self.step}: loss {loss:.4f}")
         return loss
