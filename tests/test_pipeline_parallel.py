@@ -222,11 +222,13 @@ WEIGHT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}
 STEPS, EVALUATION_ITERS = 4, 2
 DATA = {"type": "random", "sequence_length": 16, "micro_batch_size": 2, "min_document_length": 2}
 DATA["max_document_length"] = 9
+RECOMPUTE = {"recompute": "selective", "recompute_blocks": {"ssm": "full"}}
 # label -> (model, distributed settings, micro-batches per step on each data rank)
 TRAINER_LAYOUTS = {
     2: {
         "trainer pp2, tied": ("pattern-4", {}, 2),
-        "trainer pp2 interleaved, hybrid moe": ("hybrid-moe", INTERLEAVED, 2),
+        # Recomputation changes nothing but memory: the reference runs without it.
+        "trainer pp2 interleaved, hybrid moe, recompute": ("hybrid-moe", {**INTERLEAVED, "training": RECOMPUTE}, 2),
     },
     4: {
         "trainer pp2 tp2": ("pattern-4", {"tensor_parallel": 2}, 2),
@@ -236,10 +238,13 @@ TRAINER_LAYOUTS = {
 CHECKPOINTED = "trainer pp2 tp2"  # its step-2 checkpoint resumes on one process, and the reverse
 
 
-def _trainer_config(model: str, output_dir: Path, micro_batches: int, data_size: int = 1, **distributed) -> RunConfig:
+def _trainer_config(
+    model: str, output_dir: Path, micro_batches: int, data_size: int = 1, training: dict | None = None, **distributed
+) -> RunConfig:
     """The run; `data_size` > 1 for the single-process reference of a data-parallel layout: each evaluation then
-    reads that many more micro-batches, as many as all data ranks read."""
+    reads that many more micro-batches, as many as all data ranks read. `training`: more training settings."""
     training = {
+        **(training or {}),
         "train_iters": STEPS,
         "gradient_accumulation": micro_batches,
         "optimizer": {"learning_rate": 0.01},
