@@ -76,10 +76,22 @@ HYBRID_MOE = {
         "ssm_moe": {"mixer": MAMBA_2, "mlp": MOE, "normalization": RANDOM_NORM},
     },
 }
+
+
+def _expert_parallel(decoder: dict) -> dict:
+    """`decoder` with the experts of its MoE layers split over the data-parallel ranks."""
+    blocks = {
+        name: {**block, "mlp": {**block["mlp"], "expert_parallel": True}} if block["mlp"]["type"] == "moe" else block
+        for name, block in decoder["blocks"].items()
+    }
+    return {**decoder, "blocks": blocks}
+
+
 MODELS = {
     "pattern-4": model_data(tied=True, decoder=_pattern(4)),
     "pattern-6": model_data(tied=False, decoder=_pattern(6)),
     "hybrid-moe": model_data(tied=True, decoder=HYBRID_MOE),
+    "hybrid-moe, expert parallel": model_data(tied=True, decoder=_expert_parallel(HYBRID_MOE)),
 }
 INTERLEAVED = {"pipeline_schedule": "interleaved", "pipeline_stages_per_rank": 2}
 # label -> (model, distributed settings, micro-batches per data rank)
@@ -96,7 +108,7 @@ LAYOUTS = {
             {**INTERLEAVED, "tensor_parallel": 2, "sequence_tensor_parallel": True},
             2,
         ),
-        "pp2 dp2 hybrid moe": ("hybrid-moe", {}, 2),
+        "pp2 dp2 hybrid moe, experts split over dp": ("hybrid-moe, expert parallel", {}, 2),
     },
 }
 
@@ -148,13 +160,14 @@ def _single_process_step(model: str, micro_batches: list[PipelineMicroBatch]) ->
 
 
 def _reduce_gradients(model: LanguageModel, distributed: Distributed) -> None:
-    """What the trainer does after the backward: partial gradients summed over the tensor group, then all over the
-    data group."""
+    """What the trainer does after the backward: partial gradients summed over the tensor group, then over the data
+    group (but those of experts split over it, which hold every data rank's tokens already)."""
     parameters = unique_trainable(model.parameters())
     distributed.reduce_replicated_gradients(parameters)
     if distributed.data_group is not None:
         for parameter in parameters:
-            torch.distributed.all_reduce(parameter.grad, group=distributed.data_group)
+            if not parameter.meta.data_parallel_sharded:
+                torch.distributed.all_reduce(parameter.grad, group=distributed.data_group)
 
 
 def _on(device: torch.device, micro: PipelineMicroBatch) -> PipelineMicroBatch:
