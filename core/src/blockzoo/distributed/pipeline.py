@@ -294,7 +294,7 @@ class Pipeline:
                 schedule.step(*args, target=target, micro_batch=index)
             else:
                 schedule.eval(*args, target=target, micro_batch=index)
-            return self._gather(step)
+            return self._gather(step, named=training)
         finally:
             step.micro_batches, step.cross_entropy, step.named_losses = (), [], {}
 
@@ -335,9 +335,16 @@ class Pipeline:
             group=self.group,
         )
 
-    def _gather(self, step: _StepState) -> StepLosses:
-        """The step's cross-entropy and named losses summed over the pipeline ranks (each stage knows its own)."""
+    def _gather(self, step: _StepState, *, named: bool) -> StepLosses:
+        """The step's cross-entropy and (if `named`: training) named losses summed over the pipeline ranks (each
+        stage knows its own)."""
         device = self.distributed.device
+        if not named:
+            cross_entropy = (
+                torch.stack(step.cross_entropy).sum() if step.cross_entropy else torch.zeros((), device=device)
+            )
+            dist.all_reduce(cross_entropy, group=self.group)
+            return StepLosses(cross_entropy=cross_entropy, named={})
         if self._named_losses is None:  # The same every step: exchanged once.
             names: list[list[str]] = [[] for _ in range(self.distributed.config.pipeline_parallel)]
             dist.all_gather_object(names, sorted(step.named_losses), group=self.group)
