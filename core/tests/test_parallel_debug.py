@@ -12,6 +12,7 @@ its claim (`fault`), and a plain column/row MLP. One spawn of two gloo ranks run
 import logging
 import os
 import types
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -34,7 +35,7 @@ from blockzoo.api import (
     field,
     hookimpl,
 )
-from blockzoo.config import structure
+from blockzoo.config import structure, update
 from blockzoo.distributed import debug
 from blockzoo.distributed.check import ParallelMismatchError
 from blockzoo.distributed.config import DistributedConfig
@@ -50,6 +51,7 @@ from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import register_plugin, reset_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.testing.distributed import free_port, run_distributed
+from blockzoo.training.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The test plugin
@@ -273,7 +275,7 @@ def _check_correct_models_pass_unchanged(label: str, **layout) -> None:
     hooks.remove()
 
 
-def _check_planted_faults_are_named(distributed: Distributed) -> None:
+def _check_planted_faults_are_named(distributed: Distributed, output: str) -> None:
     with pytest.raises(ParallelMismatchError) as raised:
         _train(_run_config("output_offset", tensor_parallel=2), distributed, steps=1, with_debug=True)
     message = str(raised.value)
@@ -292,6 +294,11 @@ def _check_planted_faults_are_named(distributed: Distributed) -> None:
     # Without the debug mode the same faults go unnoticed.
     for fault in ("output_offset", "missing_backward_reduction"):
         _train(_run_config(fault, tensor_parallel=2), distributed, steps=1, with_debug=False)
+    # The trainer installs the debug mode when the config asks for it.
+    run_config = _run_config("output_offset", tensor_parallel=2, debug=True)
+    run_config = update(run_config, {"training": {"output_dir": output}})
+    with pytest.raises(ParallelMismatchError, match=r"disagree at decoder\.1\.mixer \(forward: its output\)"):
+        Trainer(run_config, distributed=distributed, log=lambda _: None).run()
 
 
 def _check_drift_is_named(distributed: Distributed, parameter: str, what: str, group: str) -> None:
@@ -373,7 +380,7 @@ def _parallel_cases(config: str, ports: list[int]) -> None:
         _check_correct_models_pass_unchanged("tp2", tensor_parallel=2)
         _check_correct_models_pass_unchanged("stp2", tensor_parallel=2, sequence_tensor_parallel=True)
         tensor_parallel = Distributed(_run_config(tensor_parallel=2).distributed)
-        _check_planted_faults_are_named(tensor_parallel)
+        _check_planted_faults_are_named(tensor_parallel, str(Path(config).parent / "faulty"))
         _check_drift_is_named(tensor_parallel, "decoder.0.norm_1.weight", "parameter", "tensor")
         _check_drift_is_named(tensor_parallel, "decoder.2.mixer.gate.weight", "gradient of", "tensor")
         _check_drift_is_named(world, "head.normalization.weight", "parameter", "data")

@@ -78,6 +78,13 @@ class Distributed:
                 timeout=datetime.timedelta(seconds=self.config.timeout),
             )
             self._owns_process_group = True
+        try:
+            self._lay_out()
+        except BaseException:
+            self.shutdown()  # a group this object made does not outlive it
+            raise
+
+    def _lay_out(self) -> None:
         shape = (self.config.pipeline_parallel, self.data_size, self.config.sequence_data_parallel, self.tensor_size)
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=MESH_DIMS)
         if self.config.zero_stage == 0 and self.data_size > 1:

@@ -32,6 +32,8 @@ from blockzoo.checkpoint import (
 )
 from blockzoo.conversion import get_format
 from blockzoo.data.dataset import TrainingBatches, build_dataset
+from blockzoo.distributed import debug
+from blockzoo.distributed.consistency import check_ranks_agree
 from blockzoo.distributed.data_parallel import is_sharded, prepare_micro_batch, reshard
 from blockzoo.distributed.parallelize import parallelize
 from blockzoo.distributed.pipeline import Pipeline, build_pipeline_model
@@ -68,8 +70,11 @@ class Trainer:
         run_config, pretrained = self._resolve_pretrained(run_config)
         self.run_config = run_config
         self.config = run_config.training
+        # A Distributed made here is this trainer's to shut down (`close`, or `with Trainer(...) as trainer`).
+        self._owns_distributed = distributed is None
         self.distributed = distributed or Distributed(run_config.distributed)
         self._log = log or _print
+        check_ranks_agree(run_config, self.distributed)  # different versions, plugins or configs refuse to start
         if self.config.export_format is not None:  # refuse a model the format cannot hold before training it
             get_format(self.config.export_format).check_model_config(run_config.model)
         torch.manual_seed(run_config.distributed.seed)
@@ -86,6 +91,7 @@ class Trainer:
         self.pipeline = Pipeline(self.model, self.distributed) if run_config.distributed.pipeline_parallel > 1 else None
         stages = None if self.pipeline is None else self.pipeline.modules
         parallelize(self.model, run_config, stages)  # recomputation, compilation, then ZeRO: new parameter objects
+        self.debug = debug.install(self.model, self.distributed) if run_config.distributed.debug else None
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
@@ -98,6 +104,17 @@ class Trainer:
         self.history: list[StepRecord] = []
         self.evaluations: list[tuple[int, float]] = []
         self._resume(last)
+
+    def close(self) -> None:
+        """Shut down the process group if this trainer started it (safe to call twice)."""
+        if self._owns_distributed:
+            self.distributed.shutdown()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _resolve_pretrained(self, run_config: RunConfig) -> tuple[RunConfig, str | None]:
         """With `model.pretrained`: the run config with the checkpoint's model (updated with the model fields given),
@@ -189,6 +206,8 @@ class Trainer:
         self._check_finite("loss", loss)
         self._check_finite("gradient norm", norm)  # before the update, so the weights stay finite
         self.optimizer.step()
+        if self.debug is not None:
+            debug.after_step(self.model, self.distributed, self.step + 1)
         losses = dict(zip(named, named_values))
         return StepRecord(step=self.step + 1, loss=loss, learning_rate=rate, gradient_norm=norm, losses=losses)
 
