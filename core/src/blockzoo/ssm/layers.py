@@ -12,6 +12,7 @@ from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.ssm.config import ConvolutionConfig
 from blockzoo.ssm.conv import causal_conv1d
+from blockzoo.ssm.kernels import mamba_ssm_available
 
 
 class CausalConvolution(nn.Module):
@@ -38,6 +39,11 @@ class CausalConvolution(nn.Module):
         weight = config.weight.resolve(
             initialization=UniformInitializationConfig(low=-bound, high=bound), lr_scale=lr_scale
         )
+        if distributed.device.type == "cuda":
+            # Import mamba_ssm (for the scans and norms of every SSM mixer) now, not on a first forward that may run
+            # inside a compiled block: imported under torch.compile's tracing, transformers' scipy import failed
+            # (on one H200, torch 2.11).
+            mamba_ssm_available()
         kernel_dim = TensorDim("kernel", config.kernel_size)
         self.weight = create_parameter(f"{name}.weight", (channels_dim, kernel_dim), weight, distributed)
         self.bias = None
