@@ -9,14 +9,13 @@ of `causal_conv1d`, and a timing against the cuDNN path and `torch.compile` of t
 (`shifted_causal_conv1d`). Errors are relative: ‖value − reference‖ / ‖reference‖.
 """
 
-import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 from blockzoo.layers.base import Batch
 
@@ -118,36 +117,14 @@ def check_cases(cases, device) -> list[str]:
 
 def _run_under_interpreter() -> None:
     """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 in its environment)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses; the fix of
-    # triton-lang/triton#9171 (as in test_triton_selective_scan.py), until the pinned triton has it.
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_with_scalar_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(())))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+    patch_for_numpy()
     failures = check_cases(INTERPRETER_CASES, torch.device("cpu"))
     if failures:
         sys.exit("\n".join(failures))
 
 
 def test_interpreter_matches_the_float64_loop():
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # Triton's interpreter runs on numpy.
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, __file__, "--interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(result.stdout, f"interpreter run: {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_cases(__file__)
 
 
 def test_the_shifted_torch_formulation_matches_the_float64_loop():

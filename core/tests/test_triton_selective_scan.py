@@ -7,13 +7,12 @@ see it). The `gpu` tests run the compiled kernels on CUDA, with a long document 
 torch loop. Errors are relative: ‖value − reference‖ / ‖reference‖.
 """
 
-import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 # (lengths, channels, groups, state_size, dtype). Lengths cross the checkpoint interval (32) once and twice, one is
 # empty; channel blocks hold all channels, one group of two, or a third of a group (channels 6, groups 2: blocks
@@ -114,36 +113,14 @@ def check_cases(cases, device) -> list[str]:
 
 def _run_under_interpreter() -> None:
     """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 in its environment)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses; the fix of
-    # triton-lang/triton#9171, applied here until the pinned triton has it.
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_with_scalar_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(())))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+    patch_for_numpy()
     failures = check_cases(INTERPRETER_CASES, torch.device("cpu"))
     if failures:
         sys.exit("\n".join(failures))
 
 
 def test_interpreter_matches_the_float64_loop():
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # Triton's interpreter runs on numpy.
-    started = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, __file__, "--interpreter"],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(result.stdout, f"interpreter run: {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_cases(__file__)
 
 
 def test_bad_inputs_are_named():
