@@ -71,7 +71,8 @@ def shard_data_parallel(
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # a sum over the data ranks, not a mean
-            unit.set_force_sum_reduction_for_comms(True)
+            if hasattr(unit, "set_force_sum_reduction_for_comms"):  # gloo refuses the pre-multiplied sum otherwise
+                unit.set_force_sum_reduction_for_comms(True)
     for name, parameter in module.named_parameters():
         if name in metas:
             parameter.meta = metas[name]
