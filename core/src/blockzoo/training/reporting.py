@@ -63,6 +63,9 @@ def memory_report(usage: MemoryUsage, distributed: Distributed) -> str:
             f"{where}parameters {_bytes(top[0])}, gradients {_bytes(top[1])}, optimizer state {_bytes(top[2])}, "
             f"total {_bytes(sum(top))}"
         )
+    gathered = {1: "all of them", 2: "all of them", 3: "a block at a time"}.get(distributed.config.zero_stage)
+    if gathered and distributed.data_size > 1:
+        parts.append(f"plus the weights gathered during a step ({gathered})")
     return f"memory per rank (the most of any rank; {layout}): " + "; ".join(parts)
 
 
