@@ -73,6 +73,8 @@ _LAZY = {
     "ACTIVATIONS": "blockzoo.layers.activations",
     "IGNORE_INDEX": "blockzoo.layers.base",
     "Batch": "blockzoo.layers.base",
+    "SequenceData": "blockzoo.layers.base",
+    "slice_batch": "blockzoo.layers.base",
     "Layer": "blockzoo.layers.base",
     "Mixer": "blockzoo.layers.base",
     "MLP": "blockzoo.layers.base",

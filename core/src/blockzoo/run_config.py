@@ -38,6 +38,8 @@ class RunConfig(Config):
                 f"the model has no block named {name!r} (its blocks: {', '.join(sorted(names))})",
             )
         self.distributed.check_pipeline(len(self.model.decoder.expanded_blocks()), self.training.gradient_accumulation)
+        if self.distributed.uses_slices:
+            self._check_slices()
         # Refuse a layout a layer cannot run before anything is built.
         needed = {
             TENSOR_PARALLEL: (self.distributed.tensor_parallel > 1, "distributed.tensor_parallel"),
@@ -45,12 +47,22 @@ class RunConfig(Config):
                 self.distributed.uses_sequence_tensor_parallel,
                 "distributed.sequence_tensor_parallel",
             ),
-            SEQUENCE_DATA_PARALLEL: (self.distributed.sequence_data_parallel > 1, "distributed.sequence_data_parallel"),
+            SEQUENCE_DATA_PARALLEL: (
+                self.distributed.uses_slices,
+                "distributed.sequence_data_parallel"
+                if self.distributed.sequence_data_parallel > 1
+                else "distributed.micro_sequence_length",
+            ),
         }
         for path, layer in _mixers_and_mlps(self.model):
             if self.distributed.tensor_parallel > 1 and TENSOR_PARALLEL in layer.capabilities:
                 try:
                     layer.check_tensor_parallel(self.distributed.tensor_parallel)
+                except ConfigFieldError as error:
+                    raise ConfigFieldError(f"{path}.{error.field_name}", error.message) from None
+            if self.distributed.uses_slices and SEQUENCE_DATA_PARALLEL in layer.capabilities:
+                try:
+                    layer.check_sequence_data_parallel()
                 except ConfigFieldError as error:
                     raise ConfigFieldError(f"{path}.{error.field_name}", error.message) from None
             for capability, (used, setting) in needed.items():
@@ -61,6 +73,27 @@ class RunConfig(Config):
                     raise ConfigFieldError(
                         path, f"{layer.kind} type {name!r} does not support {capability.replace('_', '-')} ({setting})"
                     )
+
+    def _check_slices(self) -> None:
+        """Refuse what slices of sequences cannot do with the rest of the run, naming the fields."""
+        distributed = self.distributed
+        distributed.check_micro_batch_tokens(self.data.micro_batch_size * self.data.sequence_length)
+        setting = (
+            "distributed.sequence_data_parallel"
+            if distributed.sequence_data_parallel > 1
+            else "distributed.micro_sequence_length"
+        )
+        check(
+            self.training.compile == "none",
+            "training.compile",
+            f"compiled blocks do not run slices of sequences yet ({setting}); use compile: none",
+        )
+        check(
+            distributed.pipeline_parallel == 1 or distributed.micro_sequence_length is None,
+            "distributed.micro_sequence_length",
+            "micro-sequences do not run through pipeline stages; use pipeline_parallel: 1 or micro_sequence_length: "
+            "null",
+        )
 
 
 def _mixers_and_mlps(model: ModelConfig) -> Iterator[tuple[str, MixerConfig | MLPConfig]]:

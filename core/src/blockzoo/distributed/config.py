@@ -21,7 +21,24 @@ class DistributedConfig(Config):
     sequence_tensor_parallel: bool = field(
         False, doc="Also split activations along tokens between tensor-parallel ranks (no effect without TP)."
     )
-    sequence_data_parallel: int = field(1, doc="Ranks that split each sequence's tokens.", validator=greater_than(0))
+    sequence_data_parallel: int = field(
+        1,
+        doc="Ranks that split each micro-batch's tokens (micro_batch_size × sequence_length, a multiple of it) into "
+        "consecutive slices, one per rank; packed documents cross the slices' boundaries freely. Every layer must "
+        "declare the sequence_data_parallel capability. The ranks of one data-parallel rank read the same "
+        "micro-batches; replicated gradients are summed over them as over the data ranks (ZeRO shards over both).",
+        validator=greater_than(0),
+    )
+    micro_sequence_length: int | None = field(
+        None,
+        doc="Run each rank's share of a micro-batch in chunks of this many tokens, one after the other, the "
+        "mixers' state (keys and values, SSM states) carried from chunk to chunk and gradients flowing back through "
+        "it; each chunk's activations are recomputed in the backward pass, so only one chunk's are held at a time. "
+        "Under sequence_data_parallel the ranks run one chunk each at a time: step c covers the c-th "
+        "sequence_data_parallel × micro_sequence_length tokens. Must divide micro_batch_size × sequence_length / "
+        "sequence_data_parallel. None: the whole share at once.",
+        validator=greater_than(0),
+    )
     zero_stage: Literal[0, 1, 2, 3] = field(
         0,
         doc="Sharding over the data-parallel ranks (ZeRO, through PyTorch's FSDP2 over the mesh's data dim). "
@@ -106,11 +123,6 @@ class DistributedConfig(Config):
                     f"pipeline_split.{index}",
                     f"stage {index + 1} must begin after block {previous} (every stage holds a block), got {start}",
                 )
-        check(
-            self.sequence_data_parallel == 1,
-            "sequence_data_parallel",
-            "sequence-data parallelism is not implemented yet; use 1",
-        )
 
     @property
     def model_parallel(self) -> int:
@@ -164,6 +176,38 @@ class DistributedConfig(Config):
             f"the interleaved schedule runs its {micro_batches} micro-batches per step in rounds of "
             f"{micro_batches // rounds} ({rounds} rounds); give a multiple of {rounds}",
         )
+
+    @property
+    def uses_slices(self) -> bool:
+        """Whether the layers run over slices of sequences (sequence-data parallelism or micro-sequences)."""
+        return self.sequence_data_parallel > 1 or self.micro_sequence_length is not None
+
+    def check_micro_batch_tokens(self, tokens: int) -> None:
+        """Refuse a micro-batch of `tokens` tokens the slices cannot split evenly (a `ConfigFieldError` naming the
+        field, relative to the run config)."""
+        share, remainder = divmod(tokens, self.sequence_data_parallel)
+        check(
+            remainder == 0,
+            "data.micro_batch_size",
+            f"a micro-batch of micro_batch_size × sequence_length = {tokens} tokens cannot be split between "
+            f"{self.sequence_data_parallel} sequence-data-parallel ranks (distributed.sequence_data_parallel): "
+            "make it a multiple",
+        )
+        if self.micro_sequence_length is not None:
+            check(
+                share % self.micro_sequence_length == 0,
+                "distributed.micro_sequence_length",
+                f"{self.micro_sequence_length} does not divide each sequence-data rank's share of a micro-batch, "
+                f"{share} tokens (data.micro_batch_size × data.sequence_length / distributed.sequence_data_parallel)",
+            )
+        if self.uses_sequence_tensor_parallel:
+            piece = share if self.micro_sequence_length is None else self.micro_sequence_length
+            check(
+                piece % self.tensor_parallel == 0,
+                "distributed.sequence_tensor_parallel",
+                f"each slice of {piece} tokens is split again between the {self.tensor_parallel} tensor-parallel "
+                "ranks: make the slices a multiple of tensor_parallel",
+            )
 
     @property
     def uses_sequence_tensor_parallel(self) -> bool:

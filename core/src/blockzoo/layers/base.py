@@ -9,6 +9,10 @@ A mixer or MLP plugin registers a config class and an implementation class deriv
 `MLP`; the engine builds it with `(config, name=..., hidden_dim=..., distributed=..., lr_scale=...)`.
 What a layer can do (tensor parallel, ...) is declared on its config class (`capabilities`), so a run
 it cannot do is refused before anything is built.
+
+Slices (sequence-data parallelism, micro-sequences): a micro-batch's tokens may be cut into consecutive slices, each
+described by an ordinary `Batch` of its pieces of documents (`slice_batch`) whose `sequence_data` says how the slice
+relates to the others; a mixer runs a slice with `Mixer.forward_slice`, carrying what the next slice needs.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.dims import TensorDim
@@ -34,11 +40,37 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+@attrs.frozen
+class SequenceData:
+    """How a slice of longer sequences relates to the other slices of its step (see `Mixer.forward_slice`).
+
+    `group`: the sequence-data-parallel group whose ranks hold the other slices of this step, at the same time
+    (None: no other rank; a micro-sequence chunk run in one process). `rank`: this slice's index in the group (0
+    with group None). `size`: the slices of the group (1 with group None). The slices of a group are consecutive
+    tokens, in rank order.
+    """
+
+    group: ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.group is None and (self.rank, self.size) != (0, 1):
+            raise ValueError(f"a slice without a group is rank 0 of 1, got rank {self.rank} of {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"slice rank {self.rank} of {self.size}: need 0 <= rank < size")
+
+
 class Batch:
     """The documents of one packed micro-batch, and what layers compute from them once.
 
     `lengths`: tokens of each document, in order. `past_lengths`: for generation, the tokens each
     document (sequence) already has in the layers' caches; positions continue from there.
+
+    A slice of longer sequences (`sequence_data` set, see `slice_batch`): `lengths` are the slice's pieces of
+    documents and `past_lengths` the tokens of each piece's document before the slice (only the first piece's can
+    be > 0), so `positions` are positions in the whole document. `past_lengths` without `sequence_data` is
+    generation: mixers tell the two apart by `state` and `sequence_data`, never by `past_lengths` alone.
     """
 
     def __init__(
@@ -47,6 +79,7 @@ class Batch:
         *,
         device: torch.device | str = "cpu",
         past_lengths: Sequence[int] | torch.Tensor | None = None,
+        sequence_data: SequenceData | None = None,
     ):
         # Everything is computed on the host from the lengths (a tensor on a device is read back once), then moved:
         # on a GPU, from pinned memory without waiting, so making a batch never stalls the device queue.
@@ -64,6 +97,17 @@ class Batch:
         past = None if past_lengths is None else torch.as_tensor(past_lengths, dtype=torch.int64).cpu()
         if past is not None:
             positions = positions + past[document_index]
+        self.sequence_data = sequence_data
+        # Tokens of the first piece's document before this slice, on the host (0 unless a slice continues one).
+        self.continued = 0
+        if sequence_data is not None and past is not None:
+            if past.shape != lengths_on_host.shape or bool((past < 0).any()) or bool((past[1:] != 0).any()):
+                raise ValueError(
+                    f"a slice's past_lengths give the tokens of each piece's document before the slice: one per "
+                    f"piece, >= 0, and only the first piece continues a document; got {past.tolist()} for pieces "
+                    f"{as_list}"
+                )
+            self.continued = int(past[0])
         self.lengths = to_device(lengths_on_host, self.device)
         self.past_lengths = None if past is None else to_device(past, self.device)
         self.cu_seqlens = to_device(cu_seqlens, self.device)
@@ -82,6 +126,11 @@ class Batch:
     def num_documents(self) -> int:
         return len(self.lengths)
 
+    @property
+    def is_slice(self) -> bool:
+        """Whether this batch is a slice of longer sequences (run with `Mixer.forward_slice`)."""
+        return self.sequence_data is not None
+
     def preprocessed(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """What `compute` returns, computed once per batch for each distinct `key`.
 
@@ -97,6 +146,40 @@ class Batch:
         if name in self.losses:
             raise ValueError(f"two layers add a loss named {name!r}")
         self.losses[name] = value
+
+
+def slice_lengths(lengths: Sequence[int], start: int, stop: int) -> tuple[list[int], list[int]]:
+    """(piece lengths, offsets) of tokens [start, stop) of packed documents of `lengths`: the pieces of the
+    documents that overlap the slice, in order, and the tokens of each piece's document before the slice."""
+    total = sum(lengths)
+    if not 0 <= start < stop <= total:
+        raise ValueError(f"slice [{start}, {stop}) of {total} tokens: need 0 <= start < stop <= {total}")
+    pieces, offsets, document_start = [], [], 0
+    for length in lengths:
+        document_stop = document_start + length
+        if document_stop > start and document_start < stop:
+            first = max(document_start, start)
+            pieces.append(min(document_stop, stop) - first)
+            offsets.append(first - document_start)
+        document_start = document_stop
+    return pieces, offsets
+
+
+def slice_batch(
+    lengths: Sequence[int] | torch.Tensor,
+    start: int,
+    stop: int,
+    *,
+    sequence_data: SequenceData | None = None,
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """The `Batch` of tokens [start, stop) of a micro-batch of packed documents of `lengths` (host integers): its
+    pieces of documents, positions counted in the whole documents. `sequence_data`: the slice's group (default: a
+    slice run in one process, `SequenceData()`)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).tolist()
+    pieces, offsets = slice_lengths(lengths, start, stop)
+    sequence_data = SequenceData() if sequence_data is None else sequence_data
+    return Batch(pieces, past_lengths=offsets, sequence_data=sequence_data, device=device)
 
 
 class Layer(nn.Module):
@@ -132,6 +215,32 @@ class Mixer(Layer):
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not support generation")
+
+    def forward_slice(self, hidden: torch.Tensor, batch: Batch, previous: Any) -> tuple[torch.Tensor, Any]:
+        """The mixer over one slice of longer sequences: (output, carry).
+
+        `batch` is the slice's (`batch.sequence_data` set; `batch.positions` count from the documents' starts).
+        `previous`: the carry the preceding slice returned (None for the first slice of a sequence); `carry`: what
+        the next slice needs of this one and every one before it (attention: keys and values of the document still
+        open, within the window; an SSM: the state and the convolution's last inputs of the document still open).
+        Both are differentiable: gradients flow back through them. Under sequence-data parallelism
+        (`batch.sequence_data.group` not None) the slices of the group run at the same time on their ranks: the
+        mixer exchanges over the group what its slice needs of the earlier ones (attention: all-gather keys and
+        values; an SSM: the scan over ranks), `previous` is the carry of the slice before the WHOLE group's (the
+        same on every rank; None at the start), and `carry` is the carry after the group's last slice, the same on
+        every rank.
+
+        A mixer that implements it declares the `sequence_data_parallel` capability on its config."""
+        from blockzoo.plugins import get_registry
+
+        registry = get_registry(strict=False)
+        config_class = type(self.config)
+        name = registry.name_of(config_class) if registry.is_registered(config_class) else type(self).__name__
+        raise NotImplementedError(
+            f"mixer type {name!r} does not declare sequence_data_parallel: it cannot run slices of sequences "
+            "(distributed.sequence_data_parallel, distributed.micro_sequence_length); implement forward_slice and "
+            "declare the capability on its config"
+        )
 
 
 class MLP(Layer):

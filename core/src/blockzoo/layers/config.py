@@ -174,6 +174,11 @@ class _LayerConfig(PolymorphicConfig):
         """Raise `ConfigFieldError(field, message)` if this layer cannot be split between `tensor_parallel` ranks
         (e.g. a dimension they do not divide), so the run is refused before anything is built."""
 
+    def check_sequence_data_parallel(self) -> None:
+        """Raise `ConfigFieldError(field, message)` if this layer, which declares sequence_data_parallel, cannot run
+        over slices of sequences with these settings (e.g. attention that is not causal: a token would see later
+        slices), so a run with sequence_data_parallel or micro_sequence_length is refused before it starts."""
+
 
 @configclass
 class MixerConfig(_LayerConfig):
