@@ -1,6 +1,7 @@
 """The Triton causal convolution (`blockzoo.ssm.triton_conv`) against a float64 tap-by-tap loop written here: the
 output and the gradients of x, weight and bias, over packed documents of odd lengths, one-token documents, kernel
-sizes 1 to 4, with and without bias and silu, x read in place from a wider tensor (in_proj's output).
+sizes 1 to 4, with and without bias and silu, x read in place from a wider tensor (in_proj's output); with the inputs
+before the batch (a slice of a longer sequence), their gradient too.
 
 Where triton is importable, the kernels run under Triton's interpreter on CPU tensors, in a subprocess (the
 interpreter is chosen when the kernels are defined, from TRITON_INTERPRET; a GPU run in this process must not see
@@ -98,6 +99,47 @@ def relative_errors(lengths, channels, kernel_size, with_bias, activation, dtype
     return errors
 
 
+# The Triton path with the inputs before the batch (a slice of a longer sequence): (lengths, channels, kernel_size).
+# The first document longer and shorter than the kernel_size - 1 inputs before it.
+INITIAL_INPUT_CASES = [((5, 1, 9), 16, 4), ((2, 6), 8, 4)]
+
+
+def initial_input_errors(lengths, channels, kernel_size, device, seed=0):
+    """{"y": error, "initial": error of its gradient, ...} of `triton_causal_conv1d` with `initial` against the
+    float64 loop over the batch with the initial inputs put in front of its first document (their outputs left
+    out)."""
+    from blockzoo.ssm.conv import triton_causal_conv1d
+
+    generator = torch.Generator().manual_seed(seed)
+    stored = kernel_size - 1
+    inputs = {
+        "x": torch.randn(sum(lengths), channels, generator=generator),
+        "weight": torch.randn(channels, kernel_size, generator=generator) * 0.5,
+        "bias": torch.randn(channels, generator=generator),
+        "initial": torch.randn(stored, channels, generator=generator),
+    }
+    output_weights = torch.randn(sum(lengths), channels, generator=generator, dtype=torch.float64)
+    leaves = {name: value.to(device, copy=True).requires_grad_() for name, value in inputs.items()}
+    y = triton_causal_conv1d(
+        leaves["x"], leaves["weight"], leaves["bias"], Batch(lengths), activation="silu", initial=leaves["initial"]
+    )
+    (y.double() * output_weights.to(device)).sum().backward()
+
+    reference_leaves = {name: value.double().requires_grad_() for name, value in inputs.items()}
+    extended = torch.cat([reference_leaves["initial"], reference_leaves["x"]])
+    extended_lengths = [lengths[0] + stored, *lengths[1:]]
+    weight, bias = reference_leaves["weight"], reference_leaves["bias"]
+    reference = reference_conv(extended, weight, bias, extended_lengths, "silu")[stored:]
+    (reference * output_weights).sum().backward()
+
+    def error(value, expected):
+        return float((value.detach().cpu().double() - expected.detach()).norm() / expected.detach().norm())
+
+    errors = {"y": error(y, reference)}
+    errors.update({name: error(leaf.grad, reference_leaves[name].grad) for name, leaf in leaves.items()})
+    return errors
+
+
 def check_cases(cases, device) -> list[str]:
     """One line per case and quantity beyond its tolerance (nothing when all pass)."""
     failures = []
@@ -115,10 +157,25 @@ def check_cases(cases, device) -> list[str]:
     return failures
 
 
+def check_initial_input_cases(device) -> list[str]:
+    failures = []
+    for lengths, channels, kernel_size in INITIAL_INPUT_CASES:
+        errors = initial_input_errors(lengths, channels, kernel_size, device)
+        case = f"lengths={lengths} channels={channels} kernel={kernel_size} with the inputs before the batch"
+        print(f"{case}: max relative error {max(errors.values()):.2e}", flush=True)
+        failures += [
+            f"{case}: {name} relative error {value:.2e} > {FP32_TOLERANCE}"
+            for name, value in errors.items()
+            if not value <= FP32_TOLERANCE
+        ]
+    return failures
+
+
 def _run_under_interpreter() -> None:
     """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 in its environment)."""
     patch_for_numpy()
     failures = check_cases(INTERPRETER_CASES, torch.device("cpu"))
+    failures += check_initial_input_cases(torch.device("cpu"))
     if failures:
         sys.exit("\n".join(failures))
 
@@ -191,6 +248,8 @@ def test_cuda_matches_the_float64_loop(dtype):
     cases.append(((513, 250), 2304, 4, True, "silu", dtype))  # Mamba 2's x‖B‖C width at hidden 1024
     cases.append(((100, 37), 40, 3, False, None, dtype))  # channels a multiple of 8, not of the channel tile
     failures = check_cases(cases, torch.device("cuda"))
+    if dtype == torch.float32:
+        failures += check_initial_input_cases(torch.device("cuda"))
     assert not failures, "\n".join(failures)
 
 

@@ -1,5 +1,6 @@
 """The Triton selective scan (`blockzoo.ssm.triton_selective_scan`) against a float64 step-by-step loop written
-here: the output and the gradients of u, delta, A, B and C, over packed documents of odd lengths.
+here: the output and the gradients of u, delta, A, B and C, over packed documents of odd lengths; with initial
+states (each document's) and final states, their values and gradients too (a slice of a longer sequence).
 
 Where triton is importable, the kernels run under Triton's interpreter on CPU tensors, in a subprocess (the
 interpreter is chosen when the kernels are defined, from TRITON_INTERPRET; a GPU run in this process must not
@@ -23,27 +24,35 @@ INTERPRETER_CASES = [
     ((4, 0, 3, 1), 6, 2, 4, torch.float32),
     ((5, 1, 9), 16, 2, 4, torch.bfloat16),
 ]
+# With initial states and final states (in the loss): documents within one checkpoint interval, across two, and
+# an empty one (its final state is its initial state).
+STATE_CASES = [
+    ((5, 1, 37), 16, 1, 4, torch.float32),
+    ((4, 0, 3), 6, 2, 4, torch.float32),
+]
 # Interpreter and GPU, fp32: the kernels accumulate in fp32 (the GPU's exp is approximate).
 FP32_TOLERANCE = 1e-4
 # bf16 inputs and outputs: the reference sees the same rounded inputs; y and the gradients are rounded to bf16.
 BF16_TOLERANCE = 1e-2
 
 
-def reference_selective_scan(u, delta, A, B, C, lengths):
-    """y [tokens, channels] by the recurrence, one token at a time, in the inputs' dtype."""
+def reference_selective_scan(u, delta, A, B, C, lengths, initial_states=None):
+    """y [tokens, channels] by the recurrence, one token at a time, in the inputs' dtype; with `initial_states`
+    [documents, channels, state], (y, the final states)."""
     channels, groups = u.shape[1], B.shape[1]
     B = B.repeat_interleave(channels // groups, dim=1)  # [tokens, channels, state]: channel d reads group d // (D/G)
     C = C.repeat_interleave(channels // groups, dim=1)
     # Per-token views (unbind: one gradient buffer in the backward, not one per indexed token).
     u, delta, B, C = (tensor.unbind(0) for tensor in (u, delta, B, C))
-    outputs, start = [], 0
-    for length in lengths:
-        state = A.new_zeros(A.shape)
+    outputs, finals, start = [], [], 0
+    for document, length in enumerate(lengths):
+        state = A.new_zeros(A.shape) if initial_states is None else initial_states[document]
         for t in range(start, start + length):
             state = torch.exp(delta[t][:, None] * A) * state + (delta[t] * u[t])[:, None] * B[t]
             outputs.append((state * C[t]).sum(-1))
+        finals.append(state)
         start += length
-    return torch.stack(outputs)
+    return torch.stack(outputs) if initial_states is None else (torch.stack(outputs), torch.stack(finals))
 
 
 def make_inputs(lengths, channels, groups, state_size, dtype, device, seed=0):
@@ -65,43 +74,57 @@ def make_inputs(lengths, channels, groups, state_size, dtype, device, seed=0):
     return {name: value.to(device) for name, value in inputs.items()}, output_weights.to(device)
 
 
-def relative_errors(lengths, channels, groups, state_size, dtype, device):
+def relative_errors(lengths, channels, groups, state_size, dtype, device, states=False):
     """{"y": error, "u": error of du, ...} of the kernel against the float64 loop on the same (rounded) inputs,
-    both on `device`."""
+    both on `device`; with `states`, from random initial states, the final states in the loss."""
     from blockzoo.ssm.triton_selective_scan import selective_scan_triton
 
     inputs, output_weights = make_inputs(lengths, channels, groups, state_size, dtype, device)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    final_weights = None
+    if states:
+        generator = torch.Generator().manual_seed(1)
+        inputs["initial_states"] = torch.randn(len(lengths), channels, state_size, generator=generator).to(device)
+        final_weights = torch.randn(len(lengths), channels, state_size, generator=generator).to(device)
+
+    def loss(y, finals):
+        total = (y.double() * output_weights.double()).sum()
+        return total if finals is None else total + (finals.double() * final_weights.double()).sum()
 
     leaves = {name: value.clone().requires_grad_() for name, value in inputs.items()}
-    y = selective_scan_triton(**leaves, cu_seqlens=cu_seqlens)
+    y = selective_scan_triton(**leaves, cu_seqlens=cu_seqlens, return_final_states=states)
+    y, finals = y if states else (y, None)
     assert y.dtype == dtype and y.shape == inputs["u"].shape
-    (y.float() * output_weights).sum().backward()
+    loss(y, finals).backward()
     with torch.no_grad():  # The forward that stores no checkpoints.
         y_without_gradients = selective_scan_triton(**inputs, cu_seqlens=cu_seqlens)
 
     reference_leaves = {name: value.detach().double().requires_grad_() for name, value in inputs.items()}
     reference = reference_selective_scan(**reference_leaves, lengths=lengths)
-    (reference * output_weights.double()).sum().backward()
+    reference, reference_finals = reference if states else (reference, None)
+    loss(reference, reference_finals).backward()
 
     def error(value, expected):
         return float((value.detach().double() - expected.detach()).norm() / expected.detach().norm())
 
     errors = {"y": error(y, reference), "y without gradients": error(y_without_gradients, reference)}
+    if states:
+        errors["final states"] = error(finals, reference_finals)
     for name, leaf in leaves.items():
         assert leaf.grad.dtype == leaf.dtype, name
         errors[name] = error(leaf.grad, reference_leaves[name].grad)
     return errors
 
 
-def check_cases(cases, device) -> list[str]:
+def check_cases(cases, device, states=False) -> list[str]:
     """One line per case and quantity beyond its tolerance (nothing when all pass)."""
     failures = []
     for lengths, channels, groups, state_size, dtype in cases:
         tolerance = BF16_TOLERANCE if dtype == torch.bfloat16 else FP32_TOLERANCE
-        errors = relative_errors(lengths, channels, groups, state_size, dtype, device)
+        errors = relative_errors(lengths, channels, groups, state_size, dtype, device, states=states)
         documents = f"lengths={lengths}" if len(lengths) < 10 else f"{len(lengths)} documents"
         case = f"{documents} channels={channels} groups={groups} state={state_size} {dtype}"
+        case += " with initial and final states" if states else ""
         print(f"{case}: max relative error {max(errors.values()):.2e}", flush=True)
         failures += [
             f"{case}: {name} relative error {value:.2e} > {tolerance}"
@@ -115,6 +138,7 @@ def _run_under_interpreter() -> None:
     """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 in its environment)."""
     patch_for_numpy()
     failures = check_cases(INTERPRETER_CASES, torch.device("cpu"))
+    failures += check_cases(STATE_CASES, torch.device("cpu"), states=True)
     if failures:
         sys.exit("\n".join(failures))
 
@@ -151,6 +175,9 @@ def test_cuda_matches_the_float64_loop(dtype):
     # Many short documents over 16 channel blocks: each backward program walks several documents.
     cases.append((tuple(5 * i % 8 + 1 for i in range(300)), 512, 1, 16, dtype))
     failures = check_cases(cases, torch.device("cuda"))
+    state_cases = [(lengths, channels, groups, state, dtype) for lengths, channels, groups, state, _ in STATE_CASES]
+    state_cases.append(((3000, 7, 1), 16, 2, 16, dtype))
+    failures += check_cases(state_cases, torch.device("cuda"), states=True)
     assert not failures, "\n".join(failures)
 
 

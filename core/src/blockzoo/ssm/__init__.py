@@ -2,6 +2,10 @@
 
     from blockzoo.ssm import causal_conv1d, gated_rms_norm, ssd_scan, selective_scan
 
+and their versions over one slice of longer sequences (micro-sequences, sequence-data parallelism), which take the
+previous slice's carry and return the next one's: `causal_conv1d_slice`, `ssd_scan_slice`, `selective_scan_slice`
+(`SSMCarry` holds a mixer's carry; the exchanges over a sequence-data group are in `blockzoo.ssm.state_passing`).
+
 All work on packed documents (`blockzoo.api.Batch`), never carrying state across a document boundary, and have a
 torch path that runs anywhere; on CUDA the scans take GPU kernels (mamba_ssm's Triton SSD kernel when it is
 installed, the project's own Triton selective scan). `import_mamba_ssm` / `mamba_ssm_available` are the one place
@@ -31,6 +35,10 @@ _LAZY = {
     "gated_rms_norm": "blockzoo.ssm.norm",
     "ssd_scan": "blockzoo.ssm.scan",
     "selective_scan": "blockzoo.ssm.scan",
+    "SSMCarry": "blockzoo.ssm.slices",
+    "causal_conv1d_slice": "blockzoo.ssm.slices",
+    "ssd_scan_slice": "blockzoo.ssm.slices",
+    "selective_scan_slice": "blockzoo.ssm.slices",
     "import_mamba_ssm": "blockzoo.ssm.kernels",
     "mamba_ssm_available": "blockzoo.ssm.kernels",
 }

@@ -29,6 +29,7 @@ def causal_conv1d(
     *,
     activation: str | None = None,
     state: torch.Tensor | None = None,
+    initial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_t = activation(bias + Σ_j weight[:, -1 - j] · x_{t-j}), taps before the document's first token reading 0.
 
@@ -38,17 +39,21 @@ def causal_conv1d(
     state is overwritten in place with each sequence's last kernel_size - 1 inputs. Accumulated in fp32 (float64 for
     float64 inputs); the output has the dtype of `x`. `x` may be a slice of a wider tensor (in_proj's output): the
     Triton kernels read it in place.
-    """
-    _check(x, weight, bias, batch, activation, state)
-    if uses_triton_kernel(x, weight, state):
-        from blockzoo.ssm.triton_conv import causal_conv1d_triton
 
-        return causal_conv1d_triton(x, weight, bias, _int32_positions(batch), activation=activation)
+    `initial` ([kernel_size - 1, channels], differentiable; slices of longer sequences): the inputs just before the
+    batch's first token, read by the taps of its first document (rows that are not of that document must be zeros:
+    `blockzoo.ssm.slices` masks them). Not with `state`.
+    """
+    _check(x, weight, bias, batch, activation, state, initial)
+    if uses_triton_kernel(x, weight, state):
+        return triton_causal_conv1d(x, weight, bias, batch, activation=activation, initial=initial)
     kernel_size = weight.shape[1]
     # cuDNN's depthwise conv accumulates in fp32 whatever the dtype; the CPU's accumulates in the dtype, so fp32.
     compute_dtype = x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
     rows = _state_rows(batch, kernel_size - 1)
     extended = _with_stored_inputs(x.to(compute_dtype), state, rows)
+    if initial is not None and kernel_size > 1:  # the first document's stored rows
+        extended = extended.index_put((rows["stored"][: kernel_size - 1],), initial.to(compute_dtype))
     # One convolution over the documents, each preceded by its kernel_size - 1 stored inputs (zeros without a
     # state), so no tap reaches into the previous document; output row r belongs to the token in extended row
     # r + kernel_size - 1.
@@ -73,6 +78,27 @@ def uses_triton_kernel(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     return state is None and x.is_cuda and supported and _triton_installed()
 
 
+def triton_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    batch: Batch,
+    *,
+    activation: str | None = None,
+    initial: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`causal_conv1d`'s Triton path (no state), on CUDA or under the Triton interpreter."""
+    from blockzoo.ssm.triton_conv import causal_conv1d_triton
+
+    stored = weight.shape[1] - 1
+    if initial is None or stored == 0:
+        return causal_conv1d_triton(x, weight, bias, _int32_positions(batch), activation=activation)
+    # The inputs before the batch go in front of it as the start of its first document; their outputs are dropped.
+    extended = torch.cat([initial.to(x.dtype), x])
+    positions = _int32_positions_after(batch, stored)
+    return causal_conv1d_triton(extended, weight, bias, positions, activation=activation)[stored:]
+
+
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -80,6 +106,17 @@ def _triton_installed() -> bool:
 
 def _int32_positions(batch: Batch) -> torch.Tensor:
     return batch.preprocessed(("blockzoo.ssm", "positions_in_batch", "int32"), lambda: positions_in_batch(batch).int())
+
+
+def _int32_positions_after(batch: Batch, stored: int) -> torch.Tensor:
+    """The positions of `stored` rows put in front of the batch, then of its tokens, the stored rows counted as the
+    start of its first document."""
+
+    def compute() -> torch.Tensor:
+        positions = positions_in_batch(batch) + stored * (batch.document_index == 0)
+        return torch.cat([torch.arange(stored, device=batch.device), positions]).int()
+
+    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch", "int32", "after", stored), compute)
 
 
 def shifted_causal_conv1d(
@@ -132,7 +169,7 @@ def _with_stored_inputs(x: torch.Tensor, state: torch.Tensor | None, rows: dict[
     return extended.index_put((rows["stored"],), stored)
 
 
-def _check(x, weight, bias, batch, activation, state) -> None:
+def _check(x, weight, bias, batch, activation, state, initial) -> None:
     if x.ndim != 2 or x.shape[0] != batch.num_tokens:
         raise ValueError(f"causal_conv1d: x must be [tokens={batch.num_tokens}, channels], got {tuple(x.shape)}")
     channels = x.shape[1]
@@ -147,4 +184,11 @@ def _check(x, weight, bias, batch, activation, state) -> None:
         raise ValueError(
             f"causal_conv1d: state must be [sequences, channels, kernel_size - 1] = {expected}, "
             f"got {tuple(state.shape)}"
+        )
+    if initial is not None and state is not None:
+        raise ValueError("causal_conv1d: give `initial` (a slice's preceding inputs) or `state` (generation), not both")
+    if initial is not None and tuple(initial.shape) != (weight.shape[1] - 1, channels):
+        raise ValueError(
+            f"causal_conv1d: initial must be [kernel_size - 1, channels] = {(weight.shape[1] - 1, channels)}, "
+            f"got {tuple(initial.shape)}"
         )

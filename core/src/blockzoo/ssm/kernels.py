@@ -85,24 +85,38 @@ def mamba_chunk_scan(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`ssd_scan` through mamba_ssm's `mamba_chunk_scan_combined`, the packed documents told apart by `seq_idx`.
 
     The kernel always scales the input by dt; without `scale_input` it is given x / dt instead (dt must then be the
     time step itself: no dt_bias, softplus or limit). With them, the kernel computes the time step
     clamp(softplus(dt + dt_bias)) in fp32 as it reads dt, which may be a bf16 slice of in_proj's output: no copy.
+    `initial_state` [heads, head_size, state] enters the first document (the kernel's `initial_states`, which
+    `seq_idx` confines to document 0); `return_final_state` also returns the state after the last token (its
+    `final_states`, fp32), both differentiable through the kernel's backward.
     """
     if not scale_input and (dt_bias is not None or dt_softplus or tuple(dt_limit) != (0.0, math.inf)):
         raise ValueError("mamba_chunk_scan: without scale_input, dt must be the time step (no dt_bias/softplus/limit)")
     if dt_bias is None and not dt_softplus:
         dt = dt.float()  # dt is the time step (a torch result): its gradient adds up in fp32 as the kernel's does
     skip = None if D is None else D.float()
+    states = {"initial_state": initial_state, "return_final_state": return_final_state}
     if not scale_input:
         if skip is not None:  # The kernel's skip would read x / dt: D·x is added here instead.
-            y = mamba_chunk_scan(x, dt, A, B, C, document_index, chunk_size=chunk_size, D=None, scale_input=False)
-            return (y.float() + (skip if skip.ndim == 2 else skip[:, None]) * x.float()).to(y.dtype)
+            output = mamba_chunk_scan(
+                x, dt, A, B, C, document_index, chunk_size=chunk_size, D=None, scale_input=False, **states
+            )
+            y = output[0] if return_final_state else output
+            y = (y.float() + (skip if skip.ndim == 2 else skip[:, None]) * x.float()).to(y.dtype)
+            return (y, output[1]) if return_final_state else y
         x = (x.float() / dt.unsqueeze(-1)).to(x.dtype)
     seq_idx = document_index.to(device=x.device, dtype=torch.int32)[None]
+    # Named only when used: the call without them is the one every mamba_ssm release takes.
+    slice_states = {} if initial_state is None else {"initial_states": initial_state.float()[None]}
+    if return_final_state:
+        slice_states["return_final_states"] = True
     output = _chunk_scan_combined()(
         x[None],
         dt[None],
@@ -115,7 +129,11 @@ def mamba_chunk_scan(
         dt_bias=dt_bias,
         dt_softplus=dt_softplus,
         dt_limit=tuple(dt_limit),
+        **slice_states,
     )
+    if return_final_state:
+        y, final = output
+        return y[0], final[0]
     return output[0]
 
 

@@ -13,6 +13,7 @@ from blockzoo.layers.parameter import create_parameter
 from blockzoo.ssm.config import ConvolutionConfig
 from blockzoo.ssm.conv import causal_conv1d
 from blockzoo.ssm.kernels import mamba_ssm_available
+from blockzoo.ssm.slices import causal_conv1d_slice
 
 
 class CausalConvolution(nn.Module):
@@ -56,6 +57,13 @@ class CausalConvolution(nn.Module):
     ) -> torch.Tensor:
         # causal_conv1d computes in fp32 whatever the activations' dtype: the fp32 master weights go in as they are.
         return causal_conv1d(x, self.weight, self.bias, batch, activation=activation, state=state)
+
+    def forward_slice(
+        self, x: torch.Tensor, batch: Batch, previous: torch.Tensor | None, *, activation: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over a slice of longer sequences: (y, carry), `causal_conv1d_slice`; `previous`: the preceding slice's
+        carry, its last kernel_size - 1 inputs (None at the start)."""
+        return causal_conv1d_slice(x, self.weight, self.bias, batch, previous, activation=activation)
 
     def flops(self, tokens: int) -> tuple[int, int]:
         """(forward, backward): one multiply-add per tap, channel and token; the backward computes the input's

@@ -45,7 +45,9 @@ def ssd_scan(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     state: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba 2's scan: per document, s_t = exp(dt_t·A)·s_{t-1} + (dt_t if scale_input else 1)·x_t ⊗ B_t and
     y_t = s_t · C_t (+ D·x_t with a skip `D`: [heads], or [heads, head_size] for one per channel; fused into the
     kernel on CUDA).
@@ -56,8 +58,13 @@ def ssd_scan(
     clamp(softplus(dt + dt_bias))), computed inside the kernel on CUDA, so dt may be in_proj's raw output.
     `state` (generation): None or [sequences, heads, head_size, state_size], the initial state, overwritten in
     place with the final one. Returns y [tokens, heads, head_size] in the dtype of x.
+
+    Slices of longer sequences (differentiable, every path): `initial_state` [heads, head_size, state_size], the
+    state the batch's first document starts from (None: zeros); `return_final_state`: return (y, the state after the
+    batch's last token [heads, head_size, state_size], fp32 or float64 for float64 inputs). Neither with `state`.
     """
     _check_ssd(x, dt, A, B, C, batch, chunk_size, state)
+    _check_slice_states("ssd_scan", state, initial_state, return_final_state, (*x.shape[1:], B.shape[2]))
     if D is not None and D.shape not in ((x.shape[1],), x.shape[1:]):
         raise ValueError(
             f"ssd_scan: D must be [heads] or [heads, head_size] of x {tuple(x.shape)}, got {tuple(D.shape)}"
@@ -67,6 +74,7 @@ def ssd_scan(
     if not dt_limit[0] < dt_limit[1]:
         raise ValueError(f"ssd_scan: dt_limit must be (min, max) with min < max, got {tuple(dt_limit)}")
     kernel = state is None and x.is_cuda and mamba_ssm_available()
+    states = {"initial_state": initial_state, "return_final_state": return_final_state}
     if kernel and scale_input:  # the kernel turns dt into the time step itself
         return mamba_chunk_scan(
             x,
@@ -81,18 +89,21 @@ def ssd_scan(
             dt_bias=dt_bias,
             dt_softplus=dt_softplus,
             dt_limit=dt_limit,
+            **states,
         )
     dt = time_step(dt, dt_bias, dt_softplus, dt_limit)
     if kernel:  # not scale_input: the kernel is given x / dt, which needs the time step itself
         return mamba_chunk_scan(
-            x, dt, A, B, C, _int32_document_index(batch), chunk_size=chunk_size, D=D, scale_input=False
+            x, dt, A, B, C, _int32_document_index(batch), chunk_size=chunk_size, D=D, scale_input=False, **states
         )
-    y = _chunked_ssd(x, dt, A, B, C, batch, chunk_size=chunk_size, scale_input=scale_input, state=state)
-    if D is None:
-        return y
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    skip = D.to(dtype) if D.ndim == 2 else D.to(dtype)[:, None]
-    return (y.to(dtype) + skip * x.to(dtype)).to(y.dtype)
+    y, final = _chunked_ssd(
+        x, dt, A, B, C, batch, chunk_size=chunk_size, scale_input=scale_input, state=state, initial=initial_state
+    )
+    if D is not None:
+        dtype = torch.promote_types(y.dtype, torch.float32)
+        skip = D.to(dtype) if D.ndim == 2 else D.to(dtype)[:, None]
+        y = (y.to(dtype) + skip * x.to(dtype)).to(y.dtype)
+    return (y, final[-1]) if return_final_state else y
 
 
 def _int32_document_index(batch: Batch) -> torch.Tensor:
@@ -127,26 +138,48 @@ def selective_scan(
     batch: Batch,
     *,
     state: torch.Tensor | None = None,
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mamba 1's scan: per document, s_t = exp(delta_t·A)·s_{t-1} + delta_t·u_t·B_t and y_t = s_t · C_t.
 
     u, delta: [tokens, channels] (delta positive); A: [channels, state_size] (negative); B, C: [tokens, groups,
     state_size], channel d reading group d // (channels // groups). No D skip and no gate. `state` (generation):
     None or [sequences, channels, state_size], updated in place. Returns y [tokens, channels] in the dtype of u.
+
+    Slices of longer sequences (differentiable, every path): `initial_state` [channels, state_size], the state the
+    batch's first document starts from (None: zeros); `return_final_state`: return (y, the state after the batch's
+    last token [channels, state_size], fp32 or float64 for float64 inputs). Neither with `state`.
     """
     _check_selective(u, delta, A, B, C, batch, state)
+    _check_slice_states("selective_scan", state, initial_state, return_final_state, tuple(A.shape))
     if state is None and u.is_cuda:
         from blockzoo.ssm.triton_selective_scan import selective_scan_triton
 
-        return selective_scan_triton(u, delta, A, B, C, batch.cu_seqlens)
-    return _sequential_selective_scan(u, delta, A, B, C, batch, state=state)
+        initial_states = None if initial_state is None else _first_document_only(initial_state.float(), batch)
+        scanned = selective_scan_triton(
+            u, delta, A, B, C, batch.cu_seqlens, initial_states=initial_states, return_final_states=return_final_state
+        )
+        if not return_final_state:
+            return scanned
+        y, finals = scanned
+    else:
+        y, finals = _sequential_selective_scan(u, delta, A, B, C, batch, state=state, initial=initial_state)
+    return (y, finals[-1]) if return_final_state else y
+
+
+def _first_document_only(initial_state: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[documents, ...]: `initial_state` for the first document, zeros for the others."""
+    others = initial_state.new_zeros(batch.num_documents - 1, *initial_state.shape)
+    return torch.cat([initial_state[None], others])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # SSD, chunked
 
 
-def _chunked_ssd(x, dt, A, B, C, batch, *, chunk_size, scale_input, state):
+def _chunked_ssd(x, dt, A, B, C, batch, *, chunk_size, scale_input, state, initial):
+    """(y, each document's final state [documents, heads, head_size, state] in fp32 or float64)."""
     output_dtype, dtype = x.dtype, torch.promote_types(x.dtype, torch.float32)
     # A chunk longer than every document would only add padding.
     layout = _chunk_layout(batch, min(chunk_size, batch.max_length))
@@ -170,11 +203,12 @@ def _chunked_ssd(x, dt, A, B, C, batch, *, chunk_size, scale_input, state):
     # What each chunk adds to the state at its end, then the states entering each chunk.
     to_end = decay[..., -1, :].unflatten(1, per_group).permute(0, 3, 1, 2)  # [n, j, g, r]
     chunk_states = torch.einsum("njgrp,njgs->ngrps", inputs * to_end.unsqueeze(-1), B).flatten(1, 2)
-    initial = (
-        x.new_zeros(batch.num_documents, heads, head_size, B.shape[-1])
-        if state is None
-        else state.to(dtype, copy=True)  # a copy: `state` is overwritten below
-    )
+    if state is not None:
+        initial = state.to(dtype, copy=True)  # a copy: `state` is overwritten below
+    elif initial is not None:
+        initial = _first_document_only(initial.to(dtype), batch)
+    else:
+        initial = x.new_zeros(batch.num_documents, heads, head_size, B.shape[-1])
     entering, final = _pass_states(chunk_states, log_decay.sum(-1).exp(), initial, layout)
 
     # From the entering state: y_i += exp(Σ_{k<=i} log_decay_k) (C_i · s).
@@ -182,7 +216,7 @@ def _chunked_ssd(x, dt, A, B, C, batch, *, chunk_size, scale_input, state):
     y = y + torch.einsum("nigs,ngrps->nigrp", C, entering.unflatten(1, per_group)) * from_start.unsqueeze(-1)
     if state is not None:
         state.copy_(final.detach())
-    return y.flatten(0, 1)[layout["rows"]].flatten(1, 2).to(output_dtype)
+    return y.flatten(0, 1)[layout["rows"]].flatten(1, 2).to(output_dtype), final
 
 
 def _segment_sums(values: torch.Tensor) -> torch.Tensor:
@@ -241,7 +275,8 @@ def _chunk_layout(batch: Batch, length: int) -> dict:
 # Selective scan, sequential
 
 
-def _sequential_selective_scan(u, delta, A, B, C, batch, *, state):
+def _sequential_selective_scan(u, delta, A, B, C, batch, *, state, initial):
+    """(y, each document's final state [documents, channels, state] in fp32 or float64)."""
     output_dtype, dtype = u.dtype, torch.promote_types(u.dtype, torch.float32)
     rows = _padded_rows(batch)
     documents, length = batch.num_documents, batch.max_length
@@ -254,7 +289,12 @@ def _sequential_selective_scan(u, delta, A, B, C, batch, *, state):
     u, delta, B, C = padded(u), padded(delta), padded(B), padded(C)  # [documents, length, ...]
     decay = torch.exp(delta.unsqueeze(-1) * A.to(dtype))  # [d, l, channels, state]
     inputs = ((delta * u).unflatten(-1, (groups, -1)).unsqueeze(-1) * B.unsqueeze(3)).flatten(2, 3)
-    current = decay.new_zeros(documents, *A.shape) if state is None else state.to(dtype, copy=True)
+    if state is not None:
+        current = state.to(dtype, copy=True)
+    elif initial is not None:
+        current = _first_document_only(initial.to(dtype), batch)
+    else:
+        current = decay.new_zeros(documents, *A.shape)
     states = []
     # Unbound once: indexing one step at a time would make the backward pass fill a full-size gradient each step.
     for step_decay, step_input in zip(decay.unbind(1), inputs.unbind(1)):
@@ -263,7 +303,7 @@ def _sequential_selective_scan(u, delta, A, B, C, batch, *, state):
     y = torch.einsum("dlgrs,dlgs->dlgr", torch.stack(states, 1).unflatten(2, (groups, -1)), C).flatten(2)
     if state is not None:
         state.copy_(current.detach())
-    return y.flatten(0, 1)[rows].to(output_dtype)
+    return y.flatten(0, 1)[rows].to(output_dtype), current
 
 
 def _padded_rows(batch: Batch) -> torch.Tensor:
@@ -300,6 +340,15 @@ def _check_ssd(x, dt, A, B, C, batch, chunk_size, state) -> None:
         raise ValueError(
             f"ssd_scan: state must be [sequences, heads, head_size, state_size] = {expected}, got {tuple(state.shape)}"
         )
+
+
+def _check_slice_states(function, state, initial_state, return_final_state, shape) -> None:
+    if state is not None and (initial_state is not None or return_final_state):
+        raise ValueError(
+            f"{function}: give `state` (generation) or `initial_state` / `return_final_state` (a slice), not both"
+        )
+    if initial_state is not None and tuple(initial_state.shape) != shape:
+        raise ValueError(f"{function}: initial_state must be {shape}, got {tuple(initial_state.shape)}")
 
 
 def _check_selective(u, delta, A, B, C, batch, state) -> None:

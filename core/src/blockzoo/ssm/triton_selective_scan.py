@@ -1,14 +1,17 @@
 """Mamba 1's selective scan as Triton kernels, forward and backward, over packed documents.
 
-Per document (the state restarts at zero), for every channel d and state index n:
+Per document (the state starts at zero, or at the document's given initial state), for every channel d and state
+index n:
 
     s_t = exp(delta_t[d] * A[d, n]) * s_{t-1} + delta_t[d] * u_t[d] * B_t[g(d), n]
     y_t[d] = sum_n s_t[d, n] * C_t[g(d), n]                    g(d) = d // (channels // groups)
 
 One program per (document, block of channels) keeps the state [BLOCK_D, state] in registers and walks the
-document's tokens in order, in fp32. The forward also stores the state every CHECKPOINT_INTERVAL tokens. The
-backward walks each document's chunks from last to first: it recomputes the chunk's states from its checkpoint
-into a per-program scratch buffer, then walks the chunk in reverse. Memory: checkpoints tokens / interval states,
+document's tokens in order, in fp32. The forward also stores the state every CHECKPOINT_INTERVAL tokens, and each
+document's final state. The backward walks each document's chunks from last to first, starting from the final
+state's gradient: it recomputes the chunk's states from its checkpoint (the initial state for the first chunk)
+into a per-program scratch buffer, then walks the chunk in reverse; what it carries past the document's first
+token is the initial state's gradient. Memory: checkpoints tokens / interval states,
 scratch interval states per backward program, never one state per token.
 
 Gradients shared between programs are written as partial sums and added by torch, not with atomics: dA per
@@ -53,6 +56,8 @@ def _forward_kernel(
     cu_seqlens_pointer,
     checkpoint_pointer,
     checkpoint_base_pointer,
+    initial_pointer,
+    final_pointer,
     channels,
     groups,
     state_size,
@@ -61,6 +66,8 @@ def _forward_kernel(
     BLOCK_N: tl.constexpr,
     INTERVAL: tl.constexpr,
     STORE_CHECKPOINTS: tl.constexpr,
+    HAS_INITIAL: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
 ):
     document = tl.program_id(0)
     block = tl.program_id(1)
@@ -76,7 +83,11 @@ def _forward_kernel(
     state_mask = channel_mask[:, None] & n_mask[None, :]
     a = tl.load(a_pointer + state_offsets, mask=state_mask, other=0.0)
     checkpoint = checkpoint_pointer + tl.load(checkpoint_base_pointer + document).to(tl.int64) * channels * state_size
-    state = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+    document_state = tl.cast(document, tl.int64) * channels * state_size  # this document's [channels, state] row
+    if HAS_INITIAL:
+        state = tl.load(initial_pointer + document_state + state_offsets, mask=state_mask, other=0.0)
+    else:
+        state = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
 
     # Each step loads the next token's inputs before computing this one, so the loads' latency overlaps.
     valid = start < end
@@ -102,6 +113,8 @@ def _forward_kernel(
             y_pointer + tl.cast(t, tl.int64) * channels + channel, y.to(y_pointer.dtype.element_ty), mask=channel_mask
         )
         u, delta, b, c = next_u, next_delta, next_b, next_c
+    if STORE_FINAL:
+        tl.store(final_pointer + document_state + state_offsets, state, mask=state_mask)
 
 
 @triton.jit
@@ -115,12 +128,15 @@ def _backward_kernel(
     cu_seqlens_pointer,
     checkpoint_pointer,
     checkpoint_base_pointer,
+    initial_pointer,
+    dfinal_pointer,
     scratch_pointer,
     du_pointer,
     ddelta_pointer,
     da_partial_pointer,
     db_partial_pointer,
     dc_partial_pointer,
+    dinitial_pointer,
     tokens,
     documents,
     channels,
@@ -130,6 +146,8 @@ def _backward_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERVAL: tl.constexpr,
+    HAS_INITIAL: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
 ):
     # Program (lane, block) handles documents lane, lane + lanes, ... for one block of channels.
     lane = tl.program_id(0)
@@ -159,15 +177,24 @@ def _backward_kernel(
             checkpoint_pointer + tl.load(checkpoint_base_pointer + document).to(tl.int64) * channels * state_size
         )
         chunks = tl.cdiv(end - start, INTERVAL)
-        # d loss / d s_t through the later tokens, i.e. exp(delta_{t+1} A) * (d loss / d s_{t+1}).
-        carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        document_state = tl.cast(document, tl.int64) * channels * state_size
+        # d loss / d s_t through the later tokens, i.e. exp(delta_{t+1} A) * (d loss / d s_{t+1}); at the document's
+        # end, the gradient of its final state.
+        if HAS_DFINAL:
+            carry = tl.load(dfinal_pointer + document_state + state_offsets, mask=state_mask, other=0.0)
+        else:
+            carry = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
         for reversed_chunk in range(0, chunks):
             chunk = chunks - 1 - reversed_chunk
             chunk_start = start + chunk * INTERVAL
             chunk_end = tl.minimum(chunk_start + INTERVAL, end)
-            # The state before the chunk: zero for the first chunk, else its checkpoint.
+            # The state before the chunk: the initial state (or zero) for the first chunk, else its checkpoint.
             row = tl.cast(tl.maximum(chunk, 1) - 1, tl.int64) * channels * state_size
             state = tl.load(checkpoint + row + state_offsets, mask=state_mask & (chunk > 0), other=0.0)
+            if HAS_INITIAL:
+                state += tl.load(
+                    initial_pointer + document_state + state_offsets, mask=state_mask & (chunk == 0), other=0.0
+                )
 
             # Recompute the chunk's states: scratch row i holds the state before token chunk_start + i.
             u = _load_row(u_pointer, chunk_start, channels, channel, channel_mask)
@@ -225,6 +252,8 @@ def _backward_kernel(
                 previous, u, delta, b, c, dy = next_previous, next_u, next_delta, next_b, next_c, next_dy
             # The next chunk overwrites scratch rows that other threads may still be reading.
             tl.debug_barrier()
+        if HAS_INITIAL:  # what is carried past the document's first token is the initial state's gradient
+            tl.store(dinitial_pointer + document_state + state_offsets, carry, mask=state_mask)
 
     tl.store(da_partial_pointer + lane.to(tl.int64) * channels * state_size + state_offsets, da, mask=state_mask)
 
@@ -267,19 +296,20 @@ def _on_device(tensor: torch.Tensor):
 
 class _SelectiveScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, cu_seqlens):
+    def forward(ctx, u, delta, A, B, C, cu_seqlens, initial_states):
         tokens, channels = u.shape
         groups, state_size = B.shape[1], B.shape[2]
         documents = cu_seqlens.numel() - 1
         channels_per_group = channels // groups
         block_d, block_n, num_warps = _block_sizes(documents, channels, channels_per_group, state_size, u.device)
-        store_checkpoints = any(ctx.needs_input_grad[:5])
+        store_checkpoints = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[6]
         interval = CHECKPOINT_INTERVAL
         bases = _checkpoint_bases(cu_seqlens, interval)
         # At least one row (a valid pointer); at most tokens // interval rows are used, whatever the lengths.
         checkpoint_rows = tokens // interval + 1 if store_checkpoints else 1
         checkpoints = u.new_empty((checkpoint_rows, channels, state_size), dtype=torch.float32)
         y = torch.empty_like(u)
+        finals = u.new_empty((documents, channels, state_size), dtype=torch.float32)
         if documents > 0:
             with _on_device(u):
                 _forward_kernel[(documents, channels // block_d)](
@@ -292,6 +322,8 @@ class _SelectiveScan(torch.autograd.Function):
                     cu_seqlens,
                     checkpoints,
                     bases,
+                    checkpoints if initial_states is None else initial_states,  # any valid pointer when unused
+                    finals,
                     channels,
                     groups,
                     state_size,
@@ -300,26 +332,31 @@ class _SelectiveScan(torch.autograd.Function):
                     BLOCK_N=block_n,
                     INTERVAL=interval,
                     STORE_CHECKPOINTS=store_checkpoints,
+                    HAS_INITIAL=initial_states is not None,
+                    STORE_FINAL=True,
                     num_warps=num_warps,
                 )
-        ctx.save_for_backward(u, delta, A, B, C, cu_seqlens, checkpoints, bases)
+        ctx.save_for_backward(u, delta, A, B, C, cu_seqlens, checkpoints, bases, initial_states)
         ctx.sizes = (block_d, block_n, num_warps, interval)
-        return y
+        ctx.set_materialize_grads(False)
+        return y, finals
 
     @staticmethod
-    def backward(ctx, dy):
-        u, delta, A, B, C, cu_seqlens, checkpoints, bases = ctx.saved_tensors
+    def backward(ctx, dy, dfinals):
+        u, delta, A, B, C, cu_seqlens, checkpoints, bases, initial_states = ctx.saved_tensors
         block_d, block_n, num_warps, interval = ctx.sizes
         tokens, channels = u.shape
         groups, state_size = B.shape[1], B.shape[2]
         documents = cu_seqlens.numel() - 1
         blocks = channels // block_d
         lanes = _backward_lanes(documents, blocks, u.device)
+        dy = torch.zeros_like(u) if dy is None else dy.contiguous()
         du = torch.empty_like(u)
         ddelta = torch.empty_like(delta)
         da_partial = torch.empty((lanes, channels, state_size), dtype=torch.float32, device=u.device)
         db_partial = torch.empty((blocks, tokens, state_size), dtype=torch.float32, device=u.device)
         dc_partial = torch.empty_like(db_partial)
+        dinitials = None if initial_states is None else torch.empty_like(initial_states)
         scratch = torch.empty(lanes * blocks * interval * block_d * block_n, dtype=torch.float32, device=u.device)
         if documents > 0:
             with _on_device(u):
@@ -329,16 +366,19 @@ class _SelectiveScan(torch.autograd.Function):
                     A,
                     B,
                     C,
-                    dy.contiguous(),
+                    dy,
                     cu_seqlens,
                     checkpoints,
                     bases,
+                    checkpoints if initial_states is None else initial_states,  # any valid pointer when unused
+                    checkpoints if dfinals is None else dfinals.float().contiguous(),
                     scratch,
                     du,
                     ddelta,
                     da_partial,
                     db_partial,
                     dc_partial,
+                    checkpoints if dinitials is None else dinitials,
                     tokens,
                     documents,
                     channels,
@@ -348,6 +388,8 @@ class _SelectiveScan(torch.autograd.Function):
                     BLOCK_D=block_d,
                     BLOCK_N=block_n,
                     INTERVAL=interval,
+                    HAS_INITIAL=initial_states is not None,
+                    HAS_DFINAL=dfinals is not None,
                     num_warps=num_warps,
                 )
 
@@ -357,7 +399,7 @@ class _SelectiveScan(torch.autograd.Function):
         dA = da_partial.sum(0).to(A.dtype)
         dB = per_group(db_partial).to(B.dtype)
         dC = per_group(dc_partial).to(C.dtype)
-        return du, ddelta, dA, dB, dC, None
+        return du, ddelta, dA, dB, dC, None, dinitials
 
 
 def selective_scan_triton(
@@ -367,17 +409,33 @@ def selective_scan_triton(
     B: torch.Tensor,
     C: torch.Tensor,
     cu_seqlens: torch.Tensor,
-) -> torch.Tensor:
-    """Mamba 1's selective scan over packed documents; differentiable in u, delta, A, B and C.
+    *,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mamba 1's selective scan over packed documents; differentiable in u, delta, A, B, C and the initial states.
 
     u, delta [tokens, channels] (delta positive); A [channels, state] (used in fp32); B, C [tokens, groups, state]
     with channels % groups == 0; cu_seqlens [documents + 1] document boundaries with cu_seqlens[-1] == tokens (not
-    checked here: that would wait for the device). Returns y [tokens, channels] in u's dtype, accumulated in fp32;
-    each gradient has its input's dtype.
+    checked here: that would wait for the device). `initial_states` [documents, channels, state] (fp32): the state
+    each document starts from (None: zeros). Returns y [tokens, channels] in u's dtype, accumulated in fp32, and
+    with `return_final_states` the state after each document's last token [documents, channels, state] (fp32,
+    differentiable); each gradient has its input's dtype.
     """
     _check_inputs(u, delta, A, B, C, cu_seqlens)
+    documents, channels, state_size = cu_seqlens.numel() - 1, u.shape[1], B.shape[2]
+    if initial_states is not None and tuple(initial_states.shape) != (documents, channels, state_size):
+        raise ValueError(
+            f"selective_scan_triton: initial_states must be [documents, channels, state] = "
+            f"{(documents, channels, state_size)}, got {tuple(initial_states.shape)}"
+        )
+    if initial_states is not None:
+        initial_states = initial_states.float().contiguous()
     u, delta, B, C = (tensor.contiguous() for tensor in (u, delta, B, C))
-    return _SelectiveScan.apply(u, delta, A.float().contiguous(), B, C, cu_seqlens.to(torch.int32).contiguous())
+    y, finals = _SelectiveScan.apply(
+        u, delta, A.float().contiguous(), B, C, cu_seqlens.to(torch.int32).contiguous(), initial_states
+    )
+    return (y, finals) if return_final_states else y
 
 
 def _check_inputs(u, delta, A, B, C, cu_seqlens) -> None:
