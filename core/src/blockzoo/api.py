@@ -92,6 +92,10 @@ _LAZY = {
     "gather_tokens": "blockzoo.distributed.ops",
     "reduce_scatter_tokens": "blockzoo.distributed.ops",
     "check_parallel_match": "blockzoo.distributed.check",
+    "gather_slices": "blockzoo.distributed.sequence",
+    "gather_slices_detached": "blockzoo.distributed.sequence",
+    "previous_slice": "blockzoo.distributed.sequence",
+    "sum_over_slices": "blockzoo.distributed.sequence",
 }
 
 __all__ = [

@@ -72,7 +72,12 @@ def test_registration_and_capabilities():
     assert registry.resolve("mixer", "attention").config_class is AttentionConfig
     assert registry.resolve("mixer", "attention").load_implementation().__name__ == "Attention"
     assert set(registry.available("rotary")) >= {"none", "default", "llama3", "yarn"}
-    assert AttentionConfig.capabilities == {"tensor_parallel", "sequence_tensor_parallel", "generation_cache"}
+    assert AttentionConfig.capabilities == {
+        "tensor_parallel",
+        "sequence_tensor_parallel",
+        "sequence_data_parallel",
+        "generation_cache",
+    }
     plugin = registry.plugins["attention"]
     assert plugin.status == "loaded" and set(plugin.info.capabilities) == AttentionConfig.capabilities
 

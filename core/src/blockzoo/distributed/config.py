@@ -33,8 +33,9 @@ class DistributedConfig(Config):
         None,
         doc="Run each rank's share of a micro-batch in chunks of this many tokens, one after the other, the "
         "mixers' state (keys and values, SSM states) carried from chunk to chunk and gradients flowing back through "
-        "it; each chunk's activations are recomputed in the backward pass, so only one chunk's are held at a time. "
-        "Under sequence_data_parallel the ranks run one chunk each at a time: step c covers the c-th "
+        "it: the same step, whose layers see at most this many tokens at a time. Lowers the peak activation memory "
+        "most with recomputation (training.recompute), which then redoes one chunk of one block at a time. Under "
+        "sequence_data_parallel the ranks run one chunk each at a time: step c covers the c-th "
         "sequence_data_parallel × micro_sequence_length tokens. Must divide micro_batch_size × sequence_length / "
         "sequence_data_parallel. None: the whole share at once.",
         validator=greater_than(0),

@@ -1,7 +1,9 @@
 """Sharded data parallelism, ZeRO stages 0-3, through PyTorch's FSDP2 (`fully_shard`) over the mesh's data dim.
 
 `shard_data_parallel(module, blocks, distributed)` makes each block one FSDP unit and `module` the root unit (the
-embeddings, the head and the tied weight, which must stay in one unit). FSDP shards each rank's parameters along
+embeddings, the head and the tied weight, which must stay in one unit). Under sequence-data parallelism the data dim
+is data × sequence_data (`Distributed.data_parallel_mesh`): the sequence-data ranks' gradients are summed with the
+data ranks', and ZeRO shards over both. FSDP shards each rank's parameters along
 their first dim over the data ranks: under tensor parallelism these are the rank's own tensor-parallel shards, which
 FSDP never sees as anything else, so our tensor, sequence-tensor and expert parallelism compose with it unchanged.
 
@@ -40,9 +42,9 @@ from blockzoo.distributed.runtime import Distributed
 
 
 def uses_data_parallel_sharding(distributed: Distributed) -> bool:
-    """Whether the run goes through FSDP: a mesh, and data ranks to reduce over or a ZeRO stage asked for (a world
-    of one GPU may run ZeRO 3, to test it)."""
-    return distributed.mesh is not None and (distributed.data_size > 1 or distributed.config.zero_stage > 0)
+    """Whether the run goes through FSDP: a mesh, and data (or sequence-data) ranks to reduce over or a ZeRO stage
+    asked for (a world of one GPU may run ZeRO 3, to test it)."""
+    return distributed.mesh is not None and (distributed.data_sequence_size > 1 or distributed.config.zero_stage > 0)
 
 
 def shard_data_parallel(
@@ -64,6 +66,8 @@ def shard_data_parallel(
     options = {"mesh": distributed.data_parallel_mesh, "ignored_params": ignored}
     for block in blocks:
         fully_shard(block, reshard_after_forward=stage == 3, **options)
+        if hasattr(block, "forward_slice"):  # a slice of sequences runs through it, not through forward
+            register_fsdp_forward_method(block, "forward_slice")
     # The root holds what the first and last computations use (embeddings, head): gathered once per step.
     fully_shard(module, reshard_after_forward=False, **options)
     for name in forward_methods:

@@ -8,7 +8,9 @@ checkpoints and the module tree stay those of the plain model.
 - Recomputation (`training.recompute`, per named block `training.recompute_blocks`), with torch's non-reentrant
   `torch.utils.checkpoint`: `full` keeps only the block's input; `selective` keeps the outputs of the operations
   that are expensive to redo (matrix products, attention, collectives: `SAVED_OPERATIONS`) and recomputes the rest.
-  A layer that adds a named loss (`Batch.add_loss`) adds it once: the recomputation's additions are dropped.
+  A layer that adds a named loss (`Batch.add_loss`) adds it once: the recomputation's additions are dropped. A
+  block's `forward_slice` (slices of sequences) is recomputed by the same policy; its carry is an output like the
+  hidden states (the next slice's block depends on it), so it is recomputed too, never kept twice.
 - Compilation (`training.compile: blocks`): each block's training forward goes through `torch.compile` (the
   backward is compiled with it). Blocks of one configuration share the compiled code. Only calls that build a
   graph (training) take it; evaluation, `no_grad` calls and generation run eagerly, so they never trigger a
@@ -48,6 +50,7 @@ def parallelize(model: nn.Module, run_config: RunConfig, stages: Sequence[nn.Mod
             block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
         elif policy != "none":
             block.forward = recomputed(block.forward, selective=policy == "selective")
+            block.forward_slice = recomputed_slice(block.forward_slice, selective=policy == "selective")
     if stages is None:
         shard_data_parallel(model, model.decoder, model.distributed)
     for stage in stages or ():
@@ -94,29 +97,49 @@ def _selective_policy(context: Any, operation: Any, *args: Any, **kwargs: Any) -
 
 def recomputed(forward: Callable, *, selective: bool) -> Callable:
     """`forward(hidden, batch, state=None)` whose activations are recomputed in the backward pass."""
-    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
 
     @functools.wraps(forward)
     def run(hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
         if state is not None or not torch.is_grad_enabled():  # generation and evaluation keep nothing anyway
             return forward(hidden, batch, state)
-        passes = 0
-
-        def block(hidden: torch.Tensor) -> torch.Tensor:
-            nonlocal passes
-            passes += 1
-            if passes == 1:
-                return forward(hidden, batch, state)
-            kept, batch.losses = batch.losses, {}  # the first pass added the named losses already
-            try:
-                return forward(hidden, batch, state)
-            finally:
-                batch.losses = kept
-
-        options = {} if context is None else {"context_fn": context}
-        return checkpoint(block, hidden, use_reentrant=False, **options)
+        return _checkpointed(forward, batch, selective, hidden, batch, state)
 
     return run
+
+
+def recomputed_slice(forward_slice: Callable, *, selective: bool) -> Callable:
+    """`forward_slice(hidden, batch, previous) -> (hidden, carry)` whose activations are recomputed in the backward
+    pass (the carry's too)."""
+
+    @functools.wraps(forward_slice)
+    def run(hidden: torch.Tensor, batch: Batch, previous: Any) -> tuple[torch.Tensor, Any]:
+        if not torch.is_grad_enabled():
+            return forward_slice(hidden, batch, previous)
+        return _checkpointed(forward_slice, batch, selective, hidden, batch, previous)
+
+    return run
+
+
+def _checkpointed(function: Callable, batch: Batch, selective: bool, *args: Any) -> Any:
+    """`function(*args)` under torch's non-reentrant checkpoint; the recomputation's named losses are dropped."""
+    passes = 0
+
+    def once(*args: Any) -> Any:
+        nonlocal passes
+        passes += 1
+        if passes == 1:
+            return function(*args)
+        # The first pass added the named losses already.
+        kept, batch.losses, batch.statistics = (batch.losses, batch.statistics), {}, {}
+        try:
+            return function(*args)
+        finally:
+            batch.losses, batch.statistics = kept
+
+    options = {}
+    if selective:
+        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+    return checkpoint(once, *args, use_reentrant=False, **options)
 
 
 # -- compilation -------------------------------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ FLOPs. Parameter names stay those of the whole model, so checkpoints hold global
 
 `Pipeline` runs a step's micro-batches through torch's schedules (`Schedule1F1B`, or `ScheduleInterleaved1F1B` with
 stage s on pipeline rank s % pipeline_parallel), composed with our tensor, sequence-tensor and expert parallelism
-inside each stage. Only tensors travel between stages: the hidden states `[tokens, hidden]` (this rank's token slice
-under sequence-tensor-parallel), and, to every stage, the micro-batch's index (a keyword argument), by which a stage
-finds the micro-batch's `Batch` (document lengths, positions: every pipeline rank reads the same micro-batches) and
-labels. Micro-batch shapes are static: every micro-batch has micro_batch_size × sequence_length tokens.
+inside each stage, and with sequence-data parallelism (each rank's stages run its slice of every micro-batch, the
+mixers exchanging over the sequence-data group; micro-sequences are refused). Only tensors travel between stages: the
+hidden states `[tokens, hidden]` (this rank's token slice under sequence-tensor-parallel), and, to every stage, the
+micro-batch's index (a keyword argument), by which a stage finds the micro-batch's `Batch` (document lengths,
+positions: every pipeline rank reads the same micro-batches) and labels. Micro-batch shapes are static: every
+micro-batch has micro_batch_size × sequence_length tokens (over sequence_data_parallel, per slice).
 
 The loss is computed on the last stage: the cross-entropy summed over labelled tokens over the step's divisor (the
 labelled tokens of the step on all data ranks), plus the named losses of its layers (MoE router losses) over theirs
@@ -45,7 +47,7 @@ from torch.distributed.pipelining import (
 )
 
 from blockzoo.distributed.runtime import Distributed, local_tensor
-from blockzoo.layers.base import Batch
+from blockzoo.layers.base import Batch, slice_losses
 from blockzoo.layers.parameter import materialize, on_meta_device
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel, own_tokens
@@ -135,10 +137,16 @@ class StageModule(nn.Module):
         index = int(micro_batch)  # a CPU tensor: no device synchronization
         batch, labels = step.micro_batches[index].batch, step.micro_batches[index].labels
         hidden = inputs if self.embeddings is None else self.embeddings(inputs, batch)
-        known = set(batch.losses)
+        known = {*batch.losses, *batch.statistics}
         for block in self.blocks.values():
-            hidden = block(hidden, batch)
-        losses = {name: value for name, value in batch.losses.items() if name not in known}
+            if batch.is_slice:  # this rank's slice of the micro-batch (sequence-data parallelism)
+                hidden, _ = block.forward_slice(hidden, batch, None)
+            else:
+                hidden = block(hidden, batch)
+        if batch.is_slice:  # this stage's named losses of the whole micro-batch
+            losses = slice_losses([batch], [name for name in [*batch.losses, *batch.statistics] if name not in known])
+        else:
+            losses = {name: value for name, value in batch.losses.items() if name not in known}
         step.record_named_losses(losses)
         if self.head is None:
             return attach_losses(hidden, list(losses.values()), step.named_loss_divisor)

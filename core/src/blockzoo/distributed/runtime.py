@@ -11,6 +11,12 @@ then the mesh exists, all of size one). Use it as a context manager, or call `sh
 `data_parallel_mesh` is the mesh FSDP2 shards over (`blockzoo.distributed.data_parallel`): the data dim alone
 for ZeRO 1-3; for ZeRO 0 a (data, data_shard) mesh whose shard dim has size one, so that FSDP replicates the
 weights over the data ranks (HSDP without sharding) and all-reduces the gradients.
+
+Sequence-data parallelism folds into it (as torchtitan folds context parallelism into FSDP's mesh): the
+sequence-data ranks of one data rank hold slices of the same micro-batches, so the gradients of replicated weights
+are summed over data × sequence_data, and ZeRO shards over both. Since the two dims are adjacent in the rank order,
+a second mesh over the same ranks with one `data_sequence` dim of their product is that fold
+(`data_sequence_group`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
 
 MESH_DIMS = ("pipeline", "data", "sequence_data", "tensor")
+# The same ranks with data and sequence_data folded into one dim (their gradients are summed together).
+FOLDED_DIMS = ("pipeline", "data_sequence", "tensor")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -58,6 +66,7 @@ class Distributed:
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.mesh: DeviceMesh | None = None
         self._replicated_data_mesh: DeviceMesh | None = None
+        self._folded_mesh: DeviceMesh | None = None
         self._owns_process_group = False
         if self.world_size > 1 or (self.world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1):
             self._start()
@@ -87,15 +96,19 @@ class Distributed:
     def _lay_out(self) -> None:
         shape = (self.config.pipeline_parallel, self.data_size, self.config.sequence_data_parallel, self.tensor_size)
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=MESH_DIMS)
-        if self.config.zero_stage == 0 and self.data_size > 1:
+        dims, names = shape, MESH_DIMS
+        if self.sequence_data_size > 1:
+            dims, names = (shape[0], self.data_sequence_size, shape[3]), FOLDED_DIMS
+            self._folded_mesh = init_device_mesh(self.device.type, dims, mesh_dim_names=names)
+        if self.config.zero_stage == 0 and self.data_sequence_size > 1:
             # The same ranks with a data_shard dim of size one after the data dim: FSDP's replicate × shard mesh.
-            with_shard = (*shape[:2], 1, *shape[2:])
-            names = (*MESH_DIMS[:2], "data_shard", *MESH_DIMS[2:])
+            with_shard = (*dims[:2], 1, *dims[2:])
+            names = (*names[:2], "data_shard", *names[2:])
             self._replicated_data_mesh = init_device_mesh(self.device.type, with_shard, mesh_dim_names=names)
 
     def shutdown(self) -> None:
         """Destroy the process group if this object made it. Safe to call twice."""
-        self.mesh = self._replicated_data_mesh = None
+        self.mesh = self._replicated_data_mesh = self._folded_mesh = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -125,6 +138,11 @@ class Distributed:
         return self.config.sequence_data_parallel
 
     @property
+    def data_sequence_size(self) -> int:
+        """The data-parallel ranks times the sequence-data-parallel ranks: those over which gradients are summed."""
+        return self.data_size * self.sequence_data_size
+
+    @property
     def tensor_group(self) -> ProcessGroup | None:
         return self._group("tensor")
 
@@ -135,6 +153,14 @@ class Distributed:
     @property
     def data_group(self) -> ProcessGroup | None:
         return self._group("data")
+
+    @property
+    def data_sequence_group(self) -> ProcessGroup | None:
+        """The data and sequence-data ranks of this rank's tensor and pipeline coordinates together (the data group
+        without sequence-data parallelism): the replicas of a gradient, and what the step's losses are summed over."""
+        if self._folded_mesh is not None:
+            return self._folded_mesh.get_group("data_sequence")
+        return self.data_group
 
     @property
     def pipeline_group(self) -> ProcessGroup | None:
@@ -150,9 +176,10 @@ class Distributed:
         size one) for ZeRO 0, whose weights stay whole on every data rank."""
         if self.mesh is None:
             return None
+        data = "data" if self._folded_mesh is None else "data_sequence"
         if self._replicated_data_mesh is not None:
-            return self._replicated_data_mesh["data", "data_shard"]
-        return self.mesh["data"]
+            return self._replicated_data_mesh[data, "data_shard"]
+        return self.mesh["data"] if self._folded_mesh is None else self._folded_mesh["data_sequence"]
 
     @property
     def tensor_rank(self) -> int:
@@ -175,27 +202,40 @@ class Distributed:
     # -- gradients -----------------------------------------------------------------------------------------------------
 
     def reduce_replicated_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
-        """Sum over the tensor group the partial gradients of replicated parameters.
+        """Sum the partial gradients of replicated parameters over the groups whose ranks saw other tokens.
 
-        Those are the parameters flagged `meta.reduce_gradient_over_tensor_group`: they saw only this rank's
-        tokens (sequence-tensor-parallel) or only this rank's heads (a replicated layer inside the tensor
-        region). Call after the backward pass of a tensor-parallel run, before the optimizer step. Under FSDP the
-        gradients are this rank's shards of the data-parallel sum: the tensor ranks of one data coordinate hold the
-        same rows of them, so their shards are summed (the two sums commute).
+        Over the tensor group, the parameters flagged `meta.reduce_gradient_over_tensor_group`: they saw only this
+        rank's tokens (sequence-tensor-parallel) or only this rank's heads (a replicated layer inside the tensor
+        region). Under FSDP the gradients are this rank's shards of the data-parallel sum: the tensor ranks of one
+        data coordinate hold the same rows of them, so their shards are summed (the two sums commute). Over the
+        sequence-data group, the parameters split over the data ranks (`meta.data_parallel_sharded`: experts),
+        which FSDP leaves alone: each holds the tokens of every data rank's slice at this sequence-data rank.
+        Call after the backward pass, before the optimizer step.
         """
-        grads = [
-            local_tensor(parameter.grad)
+        parameters = [
+            parameter
             for parameter in parameters
             if parameter.grad is not None and getattr(parameter, "meta", None) is not None
-            if parameter.meta.reduce_gradient_over_tensor_group
         ]
-        if not grads or self.tensor_size == 1:
-            return
-        # One collective for all of them: these are many small tensors (biases, norm weights).
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.tensor_group)
-        for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
-            grad.copy_(reduced.view_as(grad))
+        if self.tensor_size > 1:
+            _all_reduce_together(
+                [local_tensor(p.grad) for p in parameters if p.meta.reduce_gradient_over_tensor_group],
+                self.tensor_group,
+            )
+        if self.sequence_data_size > 1:
+            _all_reduce_together(
+                [local_tensor(p.grad) for p in parameters if p.meta.data_parallel_sharded], self.sequence_data_group
+            )
+
+
+def _all_reduce_together(grads: list[torch.Tensor], group: ProcessGroup) -> None:
+    """Sum `grads` over `group` in place, in one collective: these are many small tensors (biases, norm weights)."""
+    if not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=group)
+    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(reduced.view_as(grad))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,7 @@ class Batch:
                     f"{as_list}"
                 )
             self.continued = int(past[0])
+        self.host_lengths = lengths_on_host  # the lengths on the host, for what must not wait for the device
         self.lengths = to_device(lengths_on_host, self.device)
         self.past_lengths = None if past is None else to_device(past, self.device)
         self.cu_seqlens = to_device(cu_seqlens, self.device)
@@ -115,6 +116,9 @@ class Batch:
         self.positions = to_device(positions, self.device)
         # Losses layers add during the forward pass (MoE auxiliary losses...), named per layer.
         self.losses: dict[str, torch.Tensor] = {}
+        # On a slice: the statistics of the losses that are functions of sums over all the sequence's tokens.
+        self.statistics: dict[str, tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], torch.Tensor]]]
+        self.statistics = {}
         self._preprocessed: dict[Hashable, Any] = {}
 
     @classmethod
@@ -142,10 +146,32 @@ class Batch:
         return self._preprocessed[key]
 
     def add_loss(self, name: str, value: torch.Tensor) -> None:
-        """A loss (already weighted by its coefficient) added to the training objective and logged by `name`."""
-        if name in self.losses:
+        """A loss (already weighted by its coefficient) added to the training objective and logged by `name`.
+
+        On a slice of sequences the slices' values are added up (over the group and the micro-sequences), so the
+        loss must be a sum over the tokens; one that is a function of such sums goes through `add_statistics_loss`."""
+        if name in self.losses or name in self.statistics:
             raise ValueError(f"two layers add a loss named {name!r}")
         self.losses[name] = value
+
+    def add_statistics_loss(
+        self,
+        name: str,
+        statistics: dict[str, torch.Tensor],
+        loss: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    ) -> None:
+        """A named loss that is a function of sums over the tokens: `statistics` (name -> this batch's sum over its
+        tokens: routings per expert, probabilities per expert, the token count, ...; differentiable or not) and
+        `loss(statistics) -> loss`. On a whole micro-batch, `loss(statistics)` is added at once (`add_loss`); on a
+        slice of sequences, the engine sums the statistics of every slice of the micro-batch (the group's ranks,
+        through `sum_over_slices`, and the micro-sequences) and then adds `loss` of the sums, so the loss is that of
+        the whole micro-batch, in every layout."""
+        if self.sequence_data is None:
+            self.add_loss(name, loss(statistics))
+            return
+        if name in self.losses or name in self.statistics:
+            raise ValueError(f"two layers add a loss named {name!r}")
+        self.statistics[name] = (statistics, loss)
 
 
 def slice_lengths(lengths: Sequence[int], start: int, stop: int) -> tuple[list[int], list[int]]:
@@ -180,6 +206,37 @@ def slice_batch(
     pieces, offsets = slice_lengths(lengths, start, stop)
     sequence_data = SequenceData() if sequence_data is None else sequence_data
     return Batch(pieces, past_lengths=offsets, sequence_data=sequence_data, device=device)
+
+
+def slice_losses(slices: Sequence[Batch], names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """The named losses of a micro-batch run as `slices` (its micro-sequence chunks on this rank, in order, all of
+    one sequence-data group): each plain loss summed over the chunks and the group's ranks, each statistics loss
+    computed from its statistics summed so (`Batch.add_statistics_loss`). The same on every rank of the group; each
+    rank's objective holds them once, their gradients reaching every rank's own tokens (`sum_over_slices`).
+    `names`: only these (default: all that the first slice holds)."""
+    from blockzoo.distributed.sequence import sum_over_slices
+
+    first = slices[0]
+    group = first.sequence_data.group
+    wanted = [*first.losses, *first.statistics] if names is None else list(names)
+    losses = {}
+    for name in wanted:
+        missing = [index for index, batch in enumerate(slices) if name not in batch.losses | batch.statistics]
+        if missing:
+            raise ValueError(
+                f"the loss {name!r} was added by the first slice of a micro-batch, not by slice {missing[0]}"
+            )
+        if name in first.losses:
+            losses[name] = sum_over_slices(sum(batch.losses[name] for batch in slices), group)
+            continue
+        compute = first.statistics[name][1]
+        keys = first.statistics[name][0]
+        summed = {key: sum(batch.statistics[name][0][key] for batch in slices) for key in keys}
+        # One collective for all the statistics of the loss.
+        flat = sum_over_slices(torch.cat([value.float().reshape(-1) for value in summed.values()]), group)
+        parts = flat.split([value.numel() for value in summed.values()])
+        losses[name] = compute({key: part.view_as(summed[key]) for key, part in zip(summed, parts)})
+    return losses
 
 
 class Layer(nn.Module):

@@ -1,4 +1,8 @@
-"""The `decoder` block: norm → mixer → residual → norm → MLP → residual, either part optional."""
+"""The `decoder` block: norm → mixer → residual → norm → MLP → residual, either part optional.
+
+Over a slice of sequences (`forward_slice`) the mixer runs its `forward_slice`, taking the carry of the slice before
+and returning its own; the MLP acts on each token, as always.
+"""
 
 from __future__ import annotations
 
@@ -43,10 +47,23 @@ class DecoderBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
         if self.mixer is not None:
-            output = self.mixer(self.norm_1(hidden), batch, state)
-            if hasattr(self, "post_mixer_norm"):
-                output = self.post_mixer_norm(output)
-            hidden = hidden + output
+            hidden = self._add_mixer_output(hidden, self.mixer(self.norm_1(hidden), batch, state))
+        return self._mlp_part(hidden, batch)
+
+    def forward_slice(self, hidden: torch.Tensor, batch: Batch, previous: Any) -> tuple[torch.Tensor, Any]:
+        """The block over one slice of longer sequences: (output, the mixer's carry); see `Mixer.forward_slice`."""
+        carry = None
+        if self.mixer is not None:
+            output, carry = self.mixer.forward_slice(self.norm_1(hidden), batch, previous)
+            hidden = self._add_mixer_output(hidden, output)
+        return self._mlp_part(hidden, batch), carry
+
+    def _add_mixer_output(self, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "post_mixer_norm"):
+            output = self.post_mixer_norm(output)
+        return hidden + output
+
+    def _mlp_part(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.mlp is not None:
             output = self.mlp(self.norm_2(hidden), batch)
             if hasattr(self, "post_mlp_norm"):

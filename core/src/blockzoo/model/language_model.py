@@ -25,7 +25,7 @@ from torch import nn
 from blockzoo.conversion import Origin
 from blockzoo.distributed.ops import gather_tokens, reduce_from_tensor_region, reduce_scatter_tokens
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import Batch
+from blockzoo.layers.base import Batch, slice_losses
 from blockzoo.layers.config import NormalInitializationConfig
 from blockzoo.layers.cross_entropy import linear_cross_entropy
 from blockzoo.layers.dims import PaddedTensorDim, TensorDim
@@ -229,14 +229,26 @@ class LanguageModel(nn.Module):
         where they carry no gradient: see `Head.forward`)."""
         return self.head(self._final_hidden(tokens, batch, states))
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict]:
+    def loss(
+        self, tokens: torch.Tensor, labels: torch.Tensor, batch: Batch | Sequence[Batch]
+    ) -> tuple[torch.Tensor, dict]:
         """(Sum of the cross-entropy over the labelled tokens, the layers' named losses); the logits of all tokens
         never exist at once (`linear_cross_entropy`). Under sequence-tensor-parallel the cross-entropy is that of
-        this rank's tokens (see `Head.loss`), else that of all tokens."""
+        this rank's tokens (see `Head.loss`), else that of all tokens.
+
+        `batch` may be this rank's slices of the micro-batch instead (a slice `Batch`, or the chunks of its
+        micro-sequences in order; `tokens` and `labels` those of the slices, concatenated): the cross-entropy is
+        then that of the slices' tokens (this rank's share of them under sequence-tensor-parallel), the named losses
+        those of the whole micro-batch (`slice_losses`), the same on every rank of the sequence-data group."""
         if len(labels) != len(tokens):
             raise ValueError(f"{len(labels)} labels for {len(tokens)} tokens")
-        cross_entropy = self.head.loss(self._final_hidden(tokens, batch), labels)
-        return cross_entropy, batch.losses
+        if isinstance(batch, Batch) and not batch.is_slice:
+            cross_entropy = self.head.loss(self._final_hidden(tokens, batch), labels)
+            return cross_entropy, batch.losses
+        slices = [batch] if isinstance(batch, Batch) else list(batch)
+        hidden = self._final_hidden_of_slices(tokens, slices)
+        cross_entropy = self.head.loss(hidden, self._slice_major_labels(labels, slices))
+        return cross_entropy, slice_losses(slices)
 
     def _final_hidden(self, tokens: torch.Tensor, batch: Batch, states: Sequence | None = None) -> torch.Tensor:
         if len(tokens) != batch.num_tokens:
@@ -245,6 +257,31 @@ class LanguageModel(nn.Module):
         for index, block in enumerate(self.decoder):
             hidden = block(hidden, batch, None if states is None else states[index])
         return hidden
+
+    def _final_hidden_of_slices(self, tokens: torch.Tensor, slices: Sequence[Batch]) -> torch.Tensor:
+        """The final hidden states of this rank's tokens of every slice, in order (of each slice, its tensor-parallel
+        share under sequence-tensor-parallel)."""
+        sizes = [batch.num_tokens for batch in slices]
+        if sum(sizes) != len(tokens) or not all(batch.is_slice for batch in slices):
+            raise ValueError(f"{len(tokens)} tokens for slices of {sizes} tokens (each a Batch with sequence_data)")
+        carries = [None] * len(self.decoder)
+        outputs = []
+        for chunk, batch in zip(tokens.split(sizes), slices):
+            hidden = self.embeddings(chunk, batch)
+            for index, block in enumerate(self.decoder):
+                hidden, carries[index] = block.forward_slice(hidden, batch, carries[index])
+            outputs.append(hidden)
+        return torch.cat(outputs)
+
+    def _slice_major_labels(self, labels: torch.Tensor, slices: Sequence[Batch]) -> torch.Tensor:
+        """`labels` in the order of `_final_hidden_of_slices`'s tokens gathered over the tensor group: under
+        sequence-tensor-parallel with several slices, tensor rank t's shares of each slice come together (the head
+        gathers them so); otherwise as they are."""
+        if not self.distributed.sequence_tensor_parallel or len(slices) == 1:
+            return labels
+        size = self.distributed.tensor_size
+        shares = [chunk.view(size, -1) for chunk in labels.split([batch.num_tokens for batch in slices])]
+        return torch.cat(shares, dim=1).reshape(-1)
 
     def flops(self, batch: Batch) -> tuple[int, int]:
         """(forward, backward) floating-point operations over the batch, all ranks together."""

@@ -34,6 +34,7 @@ _LAZY = {
     "LayerSignature": "blockzoo.testing.layers",
     "build_layer": "blockzoo.testing.layers",
     "check_decoding": "blockzoo.testing.layers",
+    "check_forward_slices": "blockzoo.testing.layers",
     "check_matches_layer": "blockzoo.testing.layers",
     "check_packed_documents": "blockzoo.testing.layers",
     "layer_inputs": "blockzoo.testing.layers",
@@ -42,6 +43,7 @@ _LAZY = {
     "run_layer": "blockzoo.testing.layers",
     "single_process": "blockzoo.testing.layers",
     "check_tensor_parallel": "blockzoo.testing.parallel",
+    "check_sequence_data_parallel": "blockzoo.testing.parallel",
 }
 
 __all__ = list(_LAZY)

@@ -5,7 +5,8 @@ every other plugin is here: `single_process(seed)` and `build_layer(config, hidd
 layer, `layer_inputs(tokens)` the packed hidden states and loss weights, `run_layer` its output and gradients;
 `check_packed_documents` compares packed documents with each document run alone, `check_matches_layer` a layer with
 the same layer elsewhere (CUDA against the CPU path, bf16 against fp32), `check_decoding` its generation against the
-full forward; `layer_signature` records what a config field may change, for tests that every field changes something.
+full forward, `check_forward_slices` its run over slices of the documents, one after the other, against the whole
+forward; `layer_signature` records what a config field may change, for tests that every field changes something.
 The checks raise `ConformanceError` listing every problem.
 
 A tolerance is a mapping: `{"atol": a, "rtol": r}` compares element by element as `torch.allclose` does;
@@ -24,7 +25,7 @@ import torch
 from blockzoo.config import Config
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import Batch, Layer, Mixer
+from blockzoo.layers.base import Batch, Layer, Mixer, SequenceData, slice_batch, slice_losses
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
 
@@ -41,6 +42,15 @@ _DECODING_FIX = (
 )
 
 
+_SLICES_FIX = (
+    "Over slices of sequences, forward_slice(hidden, batch, previous) must give what the whole forward gives for the "
+    "slice's tokens: batch holds the slice's pieces of documents, batch.positions count from each document's start "
+    "(batch.continued tokens of the first piece's document come before the slice); previous is what the slice before "
+    "returned as its carry (None for the first), and the carry returned must hold all that later slices need of this "
+    "one and the ones before it (keys and values of the open document, the recurrent state and the convolution's last "
+    "inputs), differentiably: the gradients of later slices flow back through it. A named loss that is a function of "
+    "sums over the tokens goes through batch.add_statistics_loss, so that it covers every slice."
+)
 _PACKING_FIX = (
     "Information crosses a document boundary: every token may see only tokens of its own document. Restart "
     "convolutions, recurrences and attention at each document (batch.cu_seqlens, batch.document_index, "
@@ -184,6 +194,30 @@ def check_packed_documents(
         raise ConformanceError("\n".join([*problems, _PACKING_FIX]))
 
 
+def check_forward_slices(
+    layer: Layer,
+    *,
+    lengths: Sequence[int],
+    slice_length: int,
+    tolerance: Mapping[str, float],
+    seed: int = 0,
+) -> None:
+    """Packed documents of `lengths` cut into consecutive slices of `slice_length` tokens, run one after the other
+    (a mixer's `forward_slice`, each taking the previous one's carry; an MLP's forward on each slice's batch), give
+    the whole forward's output, input gradient and parameter gradients, and its named losses (all differentiated
+    through the objective sum(output · weights) + the named losses)."""
+    tokens = sum(lengths)
+    if tokens % slice_length:
+        raise ValueError(f"slices of {slice_length} tokens do not divide the {tokens} tokens of documents {lengths}")
+    hidden, weights = layer_inputs(tokens, layer.hidden_dim.global_size, seed)
+    whole, whole_losses = _run_whole(layer, hidden, weights, lengths)
+    ranges = [(start, start + slice_length) for start in range(0, tokens, slice_length)]
+    sliced, sliced_losses = _run_slices(layer, hidden, weights, lengths, ranges, SequenceData())
+    problems = _run_problems(sliced, whole, sliced_losses, whole_losses, tolerance, f"slices of {slice_length} tokens")
+    if problems:
+        raise ConformanceError("\n".join([*problems, _SLICES_FIX]))
+
+
 def check_decoding(
     layer: Layer,
     *,
@@ -321,6 +355,90 @@ def _build(implementation: Any, config: Config, hidden_size: int, distributed: D
     return implementation(
         config, name=config.kind, hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1.0
     )
+
+
+def _run_whole(
+    layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int]
+) -> tuple[LayerRun, dict[str, torch.Tensor]]:
+    """The run of `layer` over the whole batch, its objective holding the named losses too; and those losses."""
+    device = layer.distributed.device
+    layer.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().to(device).requires_grad_()
+    batch = Batch(lengths, device=device)
+    output = layer(hidden, batch)
+    objective = (output * weights.to(device)).sum() + sum(batch.losses.values(), torch.zeros((), device=device))
+    objective.backward()
+    return _layer_run(layer, output, hidden), {name: value.detach() for name, value in batch.losses.items()}
+
+
+def _run_slices(
+    layer: Layer,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    lengths: Sequence[int],
+    ranges: Sequence[tuple[int, int]],
+    sequence_data: SequenceData,
+) -> tuple[LayerRun, dict[str, torch.Tensor]]:
+    """The run of `layer` over the slices [start, stop) of `ranges` of the batch, one after the other (this rank's
+    slices of `sequence_data`'s group), its objective holding this rank's outputs and the micro-batch's named losses
+    (as the trainer's does: each rank's once). The output and input gradient are those of the slices' tokens."""
+    device = layer.distributed.device
+    layer.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().to(device).requires_grad_()
+    weights = weights.to(device)
+    batches = [slice_batch(lengths, start, stop, sequence_data=sequence_data, device=device) for start, stop in ranges]
+    carry, outputs = None, []
+    for (start, stop), batch in zip(ranges, batches):
+        if isinstance(layer, Mixer):
+            output, carry = layer.forward_slice(hidden[start:stop], batch, carry)
+        else:
+            output = layer(hidden[start:stop], batch)
+        outputs.append(output)
+    losses = slice_losses(batches)
+    objective = sum((output * weights[start:stop]).sum() for output, (start, stop) in zip(outputs, ranges))
+    objective = objective + sum(losses.values(), torch.zeros((), device=device))
+    objective.backward()
+    run = _layer_run(layer, torch.cat(outputs), hidden)
+    own_grad = torch.cat([run.input_grad[start:stop] for start, stop in ranges])
+    return run._replace(input_grad=own_grad), {name: value.detach() for name, value in losses.items()}
+
+
+def _layer_run(layer: Layer, output: torch.Tensor, hidden: torch.Tensor) -> LayerRun:
+    grads = {
+        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.clone()
+        for name, parameter in layer.named_parameters()
+        if parameter.requires_grad
+    }
+    input_grad = torch.zeros_like(hidden) if hidden.grad is None else hidden.grad
+    return LayerRun(output.detach(), input_grad, grads)
+
+
+def _run_problems(
+    found: LayerRun,
+    expected: LayerRun,
+    found_losses: dict[str, torch.Tensor],
+    expected_losses: dict[str, torch.Tensor],
+    tolerance: Mapping[str, float],
+    label: str,
+    rows: slice | torch.Tensor = slice(None),
+) -> list[str]:
+    """What differs between two runs (`rows`: the tokens of `expected` that `found` holds)."""
+    problems = [
+        _mismatch(found.output, expected.output[rows], tolerance, f"{label}: the output"),
+        _mismatch(found.input_grad, expected.input_grad[rows], tolerance, f"{label}: the input gradient"),
+    ]
+    problems += [
+        _mismatch(gradient, expected.grads[name], tolerance, f"{label}: the gradient of {name!r}")
+        for name, gradient in found.grads.items()
+    ]
+    if found_losses.keys() != expected_losses.keys():
+        problems.append(f"{label}: the named losses are {sorted(found_losses)}, expected {sorted(expected_losses)}")
+    else:
+        problems += [
+            _mismatch(value, expected_losses[name], tolerance, f"{label}: the named loss {name!r}")
+            for name, value in found_losses.items()
+        ]
+    return [f"{problem} from the whole forward" for problem in problems if problem is not None]
 
 
 def _run_on(layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int]) -> LayerRun:

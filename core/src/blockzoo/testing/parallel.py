@@ -1,10 +1,16 @@
-"""Tensor parallel against one process: `check_tensor_parallel`, for the conformance kit and plugins' own tests.
+"""Tensor parallel and sequence-data parallel against one process: `check_tensor_parallel` and
+`check_sequence_data_parallel`, for the conformance kit and plugins' own tests.
 
 One set of gloo ranks runs every case. Each rank builds the single-process reference itself from the same seed, then
 the layer split between the ranks (and, where the type declares sequence_tensor_parallel, split with each rank
 holding a slice of the tokens): the outputs, the input gradient, every parameter's shards and gradient assembled to
 the global tensor and the FLOPs must be those of one process; a mixer that declares generation_cache must decode,
 split, as one process runs its full forward.
+
+`check_sequence_data_parallel` splits the tokens of a packed batch into consecutive slices over gloo ranks (and,
+optionally, each rank's share into micro-sequence chunks): each rank's outputs and input gradient are the single
+process's for its tokens, the parameter gradients summed over the ranks and the named losses are the single
+process's.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from blockzoo.config import Config, ConfigError, structure, to_dict
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import Batch, Layer
-from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_TENSOR_PARALLEL, TENSOR_PARALLEL
+from blockzoo.layers.base import Batch, Layer, SequenceData
+from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, SEQUENCE_TENSOR_PARALLEL, TENSOR_PARALLEL
 from blockzoo.plugins import get_registry
 from blockzoo.testing.distributed import run_distributed
 from blockzoo.testing.layers import (
@@ -33,6 +40,9 @@ from blockzoo.testing.layers import (
     _build,
     _decoding_problems,
     _mismatch,
+    _run_problems,
+    _run_slices,
+    _run_whole,
     layer_inputs,
     run_layer,
     single_process,
@@ -281,3 +291,141 @@ def _refusal_problem(refusal: _Refusal, hidden_size: int, distributed: Distribut
     except Exception as error:  # noqa: BLE001
         return f"{what} failed with {type(error).__name__}: {error}, not a ValueError matching {pattern!r}"
     return f"{what} was built; it should be refused with a ValueError matching {pattern!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence-data parallel
+
+# 24 tokens: documents that cross the slices' boundaries, one shorter than a slice, one of a single token.
+DEFAULT_SLICE_LENGTHS = (7, 1, 3, 9, 4)
+
+
+def check_sequence_data_parallel(
+    config_class: type[Config],
+    cases: Mapping[str, Config | Mapping[str, Any]],
+    *,
+    hidden_size: int = DEFAULT_HIDDEN_SIZE,
+    lengths: Sequence[int] = DEFAULT_SLICE_LENGTHS,
+    tolerance: Mapping[str, float] = DEFAULT_TOLERANCE,
+    sequence_data_parallel: int = 2,
+    micro_sequence_lengths: Sequence[int | None] = (None,),
+    seed: int = DEFAULT_SEED,
+) -> None:
+    """Each case, its batch of packed documents (`lengths`) split into consecutive slices over
+    `sequence_data_parallel` gloo ranks, computes what one process computes: each rank's output and input gradient
+    are those of its tokens, the parameter gradients summed over the ranks and the named losses those of one process.
+    With a micro-sequence length L in `micro_sequence_lengths`, each rank runs chunks of L tokens one after the other
+    (step c: the ranks' chunks are tokens [c·N·L, (c+1)·N·L)), carrying state between steps; None: one slice per
+    rank. All in one set of processes. `cases`: name -> a config, or its plain data structured as `config_class`.
+
+    Raises ConformanceError listing every problem of every case, then what to fix."""
+    tokens = sum(lengths)
+    problems, checked = [], []
+    for length in micro_sequence_lengths:
+        if tokens % (sequence_data_parallel * (length or 1)):
+            raise ValueError(
+                f"{tokens} tokens do not split into slices over {sequence_data_parallel} ranks with micro-sequences "
+                f"of {length}"
+            )
+    for name, case in cases.items():
+        if not isinstance(case, Config):
+            try:
+                case = structure(case, config_class)
+            except ConfigError as error:
+                raise ConformanceError(
+                    f"case {name!r} does not structure as {config_class.__name__}: {error}"
+                ) from None
+        if SEQUENCE_DATA_PARALLEL not in case.capabilities:
+            problems.append(f"case {name!r}: {type(case).__name__} does not declare sequence_data_parallel")
+            continue
+        implementation = get_registry(strict=False).implementation_of(case)
+        checked.append(_Case(name, implementation, case, False, False))
+    if problems:
+        raise ConformanceError("\n".join(problems))
+    job = _SequenceJob(
+        cases=tuple(checked),
+        hidden_size=hidden_size,
+        lengths=tuple(lengths),
+        tolerance=dict(tolerance),
+        seed=seed,
+        size=sequence_data_parallel,
+        micro_sequence_lengths=tuple(micro_sequence_lengths),
+    )
+    try:
+        run_distributed(sequence_data_parallel, _check_sequence_parallel, job)
+    except Exception as error:
+        marker = f"{ConformanceError.__name__}: "
+        message = str(error)
+        if marker not in message:
+            raise
+        raise ConformanceError(message[message.rindex(marker) + len(marker) :].strip()) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _SequenceJob:
+    cases: tuple[_Case, ...]
+    hidden_size: int
+    lengths: tuple[int, ...]
+    tolerance: dict[str, float]
+    seed: int
+    size: int
+    micro_sequence_lengths: tuple[int | None, ...]
+
+
+_SEQUENCE_DATA_PARALLEL_FIX = (
+    "A layer that declares sequence_data_parallel must give, on each rank of the group, the single-process outputs "
+    "and gradients of its slice: forward_slice exchanges over batch.sequence_data.group what the slice needs of the "
+    "earlier ones (blockzoo.api.gather_slices: keys and values; the states of the slices before, combined by a scan "
+    "over the ranks; blockzoo.api.previous_slice: a convolution's last inputs), through ops whose backward returns "
+    "the gradients to their owners; `previous` is the carry before the whole group's slices, and the carry returned "
+    "the one after its last slice, the same on every rank. Routing statistics cover the whole micro-batch through "
+    "batch.add_statistics_loss."
+)
+
+
+def _check_sequence_parallel(job: _SequenceJob) -> None:
+    """On every rank: each case over this rank's slices against the single-process layer."""
+    config = DistributedConfig(seed=job.seed, backend="gloo", timeout=60, sequence_data_parallel=job.size)
+    problems: list[str] = []
+    with Distributed(config) as distributed:
+        rank = distributed.sequence_data_rank
+        sequence_data = SequenceData(group=distributed.sequence_data_group, rank=rank, size=job.size)
+        tokens = sum(job.lengths)
+        hidden, weights = layer_inputs(tokens, job.hidden_size)
+        for case in job.cases:
+            reference = _build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
+            expected = _run_whole(reference, hidden, weights, job.lengths)
+            for length in job.micro_sequence_lengths:
+                chunk = length or tokens // job.size
+                starts = [(step * job.size + rank) * chunk for step in range(tokens // (job.size * chunk))]
+                ranges = [(start, start + chunk) for start in starts]
+                label = f"{case.name}: sequence_data_parallel={job.size}"
+                label += f", micro_sequence_length={length}" if length else ""
+                problems += _sliced_problems(
+                    job, case, distributed, sequence_data, ranges, expected, f"{label}, rank {rank}"
+                )
+    if problems:
+        raise ConformanceError("\n".join([*dict.fromkeys(problems), "What to fix:", _SEQUENCE_DATA_PARALLEL_FIX]))
+
+
+def _sliced_problems(
+    job: _SequenceJob,
+    case: _Case,
+    distributed: Distributed,
+    sequence_data: SequenceData,
+    ranges: list[tuple[int, int]],
+    expected: tuple[Any, dict[str, torch.Tensor]],
+    label: str,
+) -> list[str]:
+    """What differs between the case run over this rank's slices (`ranges`) and the single process (`expected`).
+    Every rank takes the same path whatever it finds: the exchanges are collectives."""
+    hidden, weights = layer_inputs(sum(job.lengths), job.hidden_size)
+    try:
+        layer = _build(case.implementation, case.config, job.hidden_size, distributed)
+        found, losses = _run_slices(layer, hidden, weights, job.lengths, ranges, sequence_data)
+    except Exception as error:  # noqa: BLE001
+        return [f"{label}: the forward or backward pass failed: {type(error).__name__}: {error}"]
+    for gradient in found.grads.values():  # replicated weights: their gradients are summed over the ranks
+        dist.all_reduce(gradient, group=sequence_data.group)
+    rows = torch.cat([torch.arange(start, stop) for start, stop in ranges])
+    return _run_problems(found, expected[0], losses, expected[1], job.tolerance, label, rows)

@@ -6,6 +6,9 @@ value stops the run before it reaches the weights. Everything else stays on the 
 the reductions, the clipping factor. The micro-batches of a step are placed on the device ahead of time
 (`place_micro_batches`, called by the trainer while the previous step's work runs there): token and label tensors
 and each `Batch`'s document tensors are computed on the host and copied from pinned memory without waiting.
+
+Under sequence-data parallelism and micro-sequences a rank places only its slices of each micro-batch
+(`own_slices`): the sequence-data ranks of one data rank read the same micro-batches and each takes its own.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import attrs
 import torch
 
 from blockzoo.data.dataset import MicroBatch
-from blockzoo.layers.base import IGNORE_INDEX, Batch, to_device
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import IGNORE_INDEX, Batch, SequenceData, slice_batch, to_device
 
 
 @attrs.frozen
 class PlacedMicroBatch:
-    """A micro-batch on the device: packed `tokens`, `labels` and their `batch`."""
+    """A micro-batch on the device: packed `tokens`, `labels` and their `batch`; or this rank's slices of it: the
+    slices' tokens and labels, concatenated, and `batch` the slice's `Batch` (several: its micro-sequence chunks, in
+    order)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
-    batch: Batch
+    batch: Batch | tuple[Batch, ...]
 
     def labelled(self) -> torch.Tensor:
         """The count of labelled tokens, on the device (fp32)."""
@@ -44,11 +50,49 @@ class StepData:
     flops: int
 
 
-def place_micro_batch(micro: MicroBatch, device: torch.device) -> PlacedMicroBatch:
+def own_slices(tokens: int, distributed: Distributed) -> list[tuple[int, int]]:
+    """The token ranges [start, stop) of a micro-batch of `tokens` tokens this rank runs, in order.
+
+    Sequence-data rank s of N with chunks of L tokens (`micro_sequence_length`; default the whole share T / N) runs,
+    at step c, tokens [(c·N + s)·L, (c·N + s + 1)·L): the N ranks' slices of a step are consecutive, so each step
+    carries to the next the state after its last slice. Without micro-sequences rank s holds [s·T/N, (s+1)·T/N).
+    """
+    config = distributed.config
+    ranks, rank = config.sequence_data_parallel, distributed.sequence_data_rank
+    length = config.micro_sequence_length or tokens // ranks
+    if tokens % (ranks * length):
+        raise ValueError(
+            f"a micro-batch of {tokens} tokens does not split into slices of {length} tokens over {ranks} "
+            "sequence-data-parallel ranks"
+        )
+    starts = [(step * ranks + rank) * length for step in range(tokens // (ranks * length))]
+    return [(start, start + length) for start in starts]
+
+
+def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicroBatch:
+    """`micro` on the device of `distributed`: all of it, or this rank's slices when the run uses them
+    (`distributed.config.uses_slices`)."""
+    device = distributed.device
+    if not distributed.config.uses_slices:
+        return PlacedMicroBatch(
+            tokens=to_device(micro.tokens, device),
+            labels=to_device(micro.labels, device),
+            batch=Batch(micro.lengths, device=device),
+        )
+    ranges = own_slices(len(micro.tokens), distributed)
+    lengths = micro.lengths.tolist()
+    sequence_data = SequenceData(
+        group=distributed.sequence_data_group if distributed.sequence_data_size > 1 else None,
+        rank=distributed.sequence_data_rank,
+        size=distributed.sequence_data_size,
+    )
+    batches = tuple(
+        slice_batch(lengths, start, stop, sequence_data=sequence_data, device=device) for start, stop in ranges
+    )
     return PlacedMicroBatch(
-        tokens=to_device(micro.tokens, device),
-        labels=to_device(micro.labels, device),
-        batch=Batch(micro.lengths, device=device),
+        tokens=to_device(torch.cat([micro.tokens[start:stop] for start, stop in ranges]), device),
+        labels=to_device(torch.cat([micro.labels[start:stop] for start, stop in ranges]), device),
+        batch=batches[0] if len(batches) == 1 else batches,
     )
 
 

@@ -6,6 +6,11 @@ divided by their count, plus the layers' named losses averaged over the micro-ba
 so the gradients do not depend on how the step is split. Each rank's backward pass covers its share
 of that sum: gradients of replicated parameters that saw token shards (sequence-tensor-parallel) are
 summed over the tensor group, then all gradients are summed over the data-parallel ranks.
+
+Under sequence-data parallelism the sequence-data ranks of one data rank read the same micro-batches and each runs
+its slices of them (`step.place_micro_batch`): each computes the cross-entropy of its own tokens (summed, like the
+labelled-token count, over data × sequence_data), and the named losses of the whole micro-batch, the same on each
+(summed over the data ranks only); gradients are summed over data × sequence_data (FSDP's folded mesh).
 """
 
 from __future__ import annotations
@@ -177,7 +182,7 @@ class Trainer:
             flops += forward + backward
         data_size = self.distributed.data_size
         return StepData(
-            micro_batches=[place_micro_batch(micro, self.distributed.device) for micro in micro_batches],
+            micro_batches=[place_micro_batch(micro, self.distributed) for micro in micro_batches],
             position=batches.position(),
             tokens=sum(len(micro.tokens) for micro in micro_batches) * data_size,
             flops=flops * data_size,
@@ -251,8 +256,9 @@ class Trainer:
     # -- parallel reductions -------------------------------------------------------------------------------------------
 
     def _all_reduce_data(self, tensor: torch.Tensor) -> torch.Tensor:
-        group = self.distributed.data_group
-        if group is not None and self.distributed.data_size > 1:
+        """`tensor` summed over the data and sequence-data ranks (each counts its own tokens)."""
+        group = self.distributed.data_sequence_group
+        if group is not None and self.distributed.data_sequence_size > 1:
             dist.all_reduce(tensor, group=group)
         return tensor
 
@@ -263,19 +269,24 @@ class Trainer:
         return self._all_reduce_data(cross_entropy)
 
     def _reduce_named(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each named loss summed over the data ranks (every tensor rank computes the same: routing sees all tokens)."""
-        if not named or self.distributed.data_size == 1:
+        """Each named loss summed over the data ranks (every tensor rank computes the same: routing sees all tokens;
+        so does every sequence-data rank: `slice_losses` covers the whole micro-batch)."""
+        group = self.distributed.data_group
+        if not named or group is None or self.distributed.data_size == 1:
             return named
-        values = self._all_reduce_data(torch.stack(list(named.values())))
+        values = torch.stack(list(named.values()))
+        dist.all_reduce(values, group=group)
         return dict(zip(named, values.unbind()))
 
     def _clip_gradients(self) -> torch.Tensor:
         """The global gradient norm (on the device), the gradients clipped to the config's limit. Squares of
-        gradients split over the tensor group are summed over it; of those split over the data group (FSDP shards
-        under ZeRO 1-3, experts under expert parallelism), over the data group; all over the pipeline stages, each
-        counting its own parameters (a tied weight's copy on the last stage is the first stage's)."""
-        # squares[tensor-parallel split][data-parallel split]
-        squares = torch.zeros(2, 2, device=self.distributed.device)
+        gradients split over the tensor group are summed over it; of experts (split over the data group under expert
+        parallelism), over the data group; of FSDP shards (ZeRO 1-3), over the data and sequence-data ranks FSDP
+        shards over; all over the pipeline stages, each counting its own parameters (a tied weight's copy on the
+        last stage is the first stage's)."""
+        distributed = self.distributed
+        # squares[tensor-parallel split][replicated, experts (split over data), FSDP shards (over data × sequence)]
+        squares = torch.zeros(2, 3, device=distributed.device)
         grads = []
         copies = set() if self.pipeline is None else self.pipeline.copies
         for name, parameter in self.model.named_parameters():
@@ -285,14 +296,18 @@ class Trainer:
             grads.append(grad)
             if name in copies:
                 continue
-            split_over_data = meta.data_parallel_sharded or is_sharded(parameter)
-            squares[int(meta.tensor_parallel), int(split_over_data)] += grad.float().pow(2).sum()
-        if self.distributed.tensor_group is not None and self.distributed.tensor_size > 1:
-            dist.all_reduce(squares[1], group=self.distributed.tensor_group)
-        if self.distributed.data_group is not None and self.distributed.data_size > 1:
-            data_split = squares[:, 1].contiguous()
-            dist.all_reduce(data_split, group=self.distributed.data_group)
-            squares[:, 1] = data_split
+            split = 1 if meta.data_parallel_sharded else 2 if is_sharded(parameter) else 0
+            squares[int(meta.tensor_parallel), split] += grad.float().pow(2).sum()
+        if distributed.tensor_group is not None and distributed.tensor_size > 1:
+            dist.all_reduce(squares[1], group=distributed.tensor_group)
+        for split, group, size in (
+            (1, distributed.data_group, distributed.data_size),
+            (2, distributed.data_sequence_group, distributed.data_sequence_size),
+        ):
+            if group is not None and size > 1:
+                data_split = squares[:, split].contiguous()
+                dist.all_reduce(data_split, group=group)
+                squares[:, split] = data_split
         if self.pipeline is not None:
             dist.all_reduce(squares, group=self.distributed.pipeline_group)
         norm = squares.sum().sqrt()
@@ -310,7 +325,8 @@ class Trainer:
         device = self.distributed.device
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
         batches = self.data.evaluation_batches(**self._data_rank())
-        placed = [place_micro_batch(micro, device) for micro in itertools.islice(batches, self.config.evaluation.iters)]
+        evaluated = itertools.islice(batches, self.config.evaluation.iters)
+        placed = [place_micro_batch(micro, self.distributed) for micro in evaluated]
         if self.pipeline is not None:  # through the stages, forward only
             total = self.pipeline.evaluate(placed)
         else:

@@ -8,13 +8,28 @@ h // heads_per_group):
   replicated linear inside the tensor region: every rank computes all groups, its gradient summed over ranks.
 The output projection is row-parallel. Under sequence-tensor-parallel the projections gather the token
 shards and scatter the output, so attention itself always sees every token.
+
+Slices of sequences (`forward_slice`: sequence-data parallelism, micro-sequences). The slice's keys and values are
+all-gathered over the sequence-data group (`gather_slices`, whose backward reduce-scatters each rank's key and value
+gradients back to it: Llama 3's all-gather context parallelism, chosen over ring attention because GQA makes keys and
+values small and a causal ring leaves ranks idle; a measurement on GPUs is to come). Each query sees the tokens of
+its document before it (within the window): the document of a slice's first piece began `batch.continued` tokens
+before the slice, every other piece's in the slice, so the keys a slice needs are one contiguous stretch of the
+token stream (the carry, then the group's slices), and the masks are exact without knowing where documents end.
+The carry is that stream's keys and values as the blocks they were made in (each step's gathered tensors, never
+copied), all of them or, with a window, those of its last window − 1 tokens; a query reads from it only what its
+document holds. With a carry the attention over the concatenated stretch is recomputed in the backward pass, so the
+concatenation (a copy) is never kept: the memory stays that of the blocks, linear in the tokens.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import attrs
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from blockzoo.api import (
     Batch,
@@ -26,6 +41,7 @@ from blockzoo.api import (
     NormalInitializationConfig,
     NormalizationConfig,
     TensorDim,
+    gather_slices,
     get_registry,
 )
 from blockzoo_attention.config import AttentionConfig
@@ -60,6 +76,40 @@ class KeyValueCache:
         keys = batch.preprocessed("blockzoo_attention.cached_keys", lambda: Segments.from_lengths(lengths))
         stored = (keys.document_index, keys.positions)
         return self.key[stored].to(key.dtype), self.value[stored].to(value.dtype), keys
+
+
+class AttentionCarry(NamedTuple):
+    """What the slices after a step need of the tokens before them: their keys and values (after norms and rotary)
+    `[tokens, key_heads, head_size]`, as the blocks they were made in (the same on every sequence-data rank)."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(block) for block in self.keys)
+
+
+def _stretch(blocks: tuple[torch.Tensor, ...], start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the blocks concatenated, copying only the blocks that hold them."""
+    parts, offset = [], 0
+    for block in blocks:
+        end = offset + len(block)
+        if end > start and offset < stop:
+            parts.append(block[max(start - offset, 0) : min(stop, end) - offset])
+        offset = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _last_rows(blocks: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
+    """The blocks holding the last `rows` rows of their concatenation (the first of them cut: a view)."""
+    kept, total = [], 0
+    for block in reversed(blocks):
+        if total >= rows:
+            break
+        kept.append(block if total + len(block) <= rows else block[len(block) - (rows - total) :])
+        total += len(kept[-1])
+    return tuple(reversed(kept))
 
 
 class Attention(Mixer):
@@ -127,7 +177,9 @@ class Attention(Mixer):
             )
         return norm
 
-    def forward(self, hidden: torch.Tensor, batch: Batch, state: KeyValueCache | None = None) -> torch.Tensor:
+    def _project(self, hidden: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query, key and value `[tokens, heads, head_size]` of every token of the batch (this rank's heads), after
+        the per-head norms and rotary."""
         head_size = self.config.head_size
         query = self.query(hidden).unflatten(-1, (-1, head_size))
         key_value = self.key_value(hidden)
@@ -138,7 +190,10 @@ class Attention(Mixer):
             key = self.key_norm(key)
         if (tables := rotary_tables(self.config.rotary, head_size, batch)) is not None:
             query, key = apply_rotary(query, tables), apply_rotary(key, tables)
+        return query, key, value
 
+    def forward(self, hidden: torch.Tensor, batch: Batch, state: KeyValueCache | None = None) -> torch.Tensor:
+        query, key, value = self._project(hidden, batch)
         queries = Segments.of(batch)
         if state is None:
             keys = queries
@@ -156,6 +211,49 @@ class Attention(Mixer):
         )
         output = kernel.attend(query, key, value, prepared, self.config.resolved_softmax_scale)
         return self.dense(output.flatten(1))
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: AttentionCarry | None
+    ) -> tuple[torch.Tensor, AttentionCarry]:
+        """Attention over one slice of longer sequences (see the module and `blockzoo.api.Mixer.forward_slice`)."""
+        query, key, value = self._project(hidden, batch)
+        sequence_data = batch.sequence_data
+        keys, values = gather_slices(key, sequence_data.group), gather_slices(value, sequence_data.group)
+        if previous is not None:
+            keys, values = (*previous.keys, keys), (*previous.values, values)
+        else:
+            keys, values = (keys,), (values,)
+        # The stream of tokens: the carried ones, then the group's slices in rank order; this slice's place in it.
+        before = 0 if previous is None else previous.tokens
+        start = before + sequence_data.rank * len(query)
+        window = self.config.window_size
+        seen = batch.continued if window is None else min(batch.continued, window - 1)
+        if seen > start:
+            raise ValueError(
+                f"attention {self.name!r}: the slice continues a document begun {batch.continued} tokens before it, "
+                f"but only {start} come before it (the previous slice's carry is missing or cut short)"
+            )
+        kernel = select_kernel(self.config.implementation, query)
+        causal = self.config.causal
+        prepared = batch.preprocessed(
+            ("blockzoo_attention.slice_kernel", kernel.name, causal, window, seen),
+            lambda: kernel.prepare(Segments.of(batch), _slice_keys(batch, seen), causal, window),
+        )
+        scale, stop = self.config.resolved_softmax_scale, start + len(query)
+
+        def attend(query: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
+            key_blocks, value_blocks = blocks[: len(blocks) // 2], blocks[len(blocks) // 2 :]
+            stretch = (_stretch(key_blocks, start - seen, stop), _stretch(value_blocks, start - seen, stop))
+            return kernel.attend(query, *stretch, prepared, scale)
+
+        if len(keys) > 1 and torch.is_grad_enabled():  # keep the blocks, not their concatenation
+            output = checkpoint(attend, query, *keys, *values, use_reentrant=False)
+        else:
+            output = attend(query, *keys, *values)
+        carry = AttentionCarry(keys, values)
+        if window is not None:
+            carry = AttentionCarry(_last_rows(keys, window - 1), _last_rows(values, window - 1))
+        return self.dense(output.flatten(1)), carry
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> KeyValueCache:
         if not self.config.causal:
@@ -182,3 +280,19 @@ class Attention(Mixer):
         if self.config.window_size is not None:
             seen = seen.clamp(max=self.config.window_size)
         return int(seen.sum())
+
+
+def _slice_keys(batch: Batch, seen: int) -> Segments:
+    """Where the documents of a slice's queries lie in the stretch of keys they see: the first piece's document
+    from `seen` tokens before the slice, then every other piece in the slice."""
+    lengths = batch.host_lengths.clone()
+    lengths[0] += seen
+    keys = Segments.from_lengths(lengths)
+    first = torch.arange(int(lengths[0])) + (batch.continued - seen)
+    positions = torch.cat([first, keys.positions[int(lengths[0]) :]])
+    device = batch.device
+    return keys._replace(
+        cu_seqlens=keys.cu_seqlens.to(device),
+        document_index=keys.document_index.to(device),
+        positions=positions.to(device),
+    )

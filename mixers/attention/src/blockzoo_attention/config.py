@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     ConfigFieldError,
@@ -142,7 +143,9 @@ class AttentionConfig(MixerConfig):
     of each group are split and key/value are replicated (MQA).
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     heads: int = field(8, doc="Query heads.", validator=at_least(1))
     head_groups: int | None = field(
@@ -217,6 +220,14 @@ class AttentionConfig(MixerConfig):
                 f"tensor_parallel={tensor_parallel} must divide head_groups ({groups}) or the heads per group "
                 f"({self.heads // groups})",
             )
+
+    def check_sequence_data_parallel(self) -> None:
+        # Over slices a token sees the slices before its own, never the ones after.
+        check(
+            self.causal,
+            "causal",
+            "attention over slices of sequences (sequence_data_parallel, micro_sequence_length) must be causal",
+        )
 
     @property
     def resolved_head_groups(self) -> int:
