@@ -15,8 +15,9 @@ group, in rank order (`blockzoo.layers.base.SequenceData`). Two things of a slic
 
 Both exchanges are all-gathers whose backward is a reduce-scatter (`blockzoo.distributed.sequence.gather_slices`): the
 gradient of each rank's initial state and halo is sent back, summed, to the ranks whose states and inputs made
-them. Every rank must take part in each backward collective, so a rank whose slice does not continue a document
-still keeps what it received in its graph (`depend_on`), with a zero gradient.
+them. Every rank must take part in each backward collective, so the halo and the initial state always depend on
+what was gathered, even where they use none of it (the first rank; `depend_on`, with a zero gradient), and a rank
+whose slice does not continue a document keeps them in its graph the same way.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def convolution_halo(
     tails = gather_slices(x[max(len(x) - stored, 0) :], group)
     sent = len(tails) // group.size()
     halo = torch.cat([before, tails[: batch.sequence_data.rank * sent]])[-stored:]
-    return _in_document(halo, batch), torch.cat([before, tails])[-stored:]
+    # The first rank reads none of `tails` (and the carry may go unused): the halo keeps them in its graph.
+    return _in_document(depend_on(halo, tails), batch), torch.cat([before, tails])[-stored:]
 
 
 def _in_document(halo: torch.Tensor | None, batch: Batch) -> torch.Tensor | None:
@@ -96,7 +98,8 @@ def initial_state_over_ranks(
         if rank == batch.sequence_data.rank:
             initial = state
         state = decays[rank].view(decay.shape) * state + finals[rank].view(final.shape)
-    return initial, state
+    # The first rank's initial state is `previous` (and the carry may go unused): it keeps the pairs in its graph.
+    return depend_on(initial, pairs), state
 
 
 class _DependOn(torch.autograd.Function):
