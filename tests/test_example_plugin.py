@@ -83,7 +83,12 @@ def test_the_installed_example_is_discovered(site):
     assert shortconv["status"] == "loaded" and shortconv["distribution"] == "blockzoo-shortconv"
     assert shortconv["location"] == str(site / "blockzoo_shortconv")
     assert shortconv["types"] == {"mixer": ["shortconv.gated_conv"]}
-    assert shortconv["capabilities"] == ["generation_cache", "sequence_tensor_parallel", "tensor_parallel"]
+    assert shortconv["capabilities"] == [
+        "generation_cache",
+        "sequence_data_parallel",
+        "sequence_tensor_parallel",
+        "tensor_parallel",
+    ]
 
 
 def test_the_template_and_the_example_declare_this_plugin_api():

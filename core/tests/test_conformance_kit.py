@@ -1,12 +1,14 @@
 """The conformance kit catches deliberately broken plugins, with messages that say what to fix.
 
 A small working mixer (`kittest.previous_token`: each token adds a weighted copy of the token before it in its
-document; tensor-parallel, sequence-tensor-parallel, generation) passes every check the kit runs in-process; one
-broken variant per failure (wrong output shape, state leaking across documents, a false tensor-parallel claim, a
-field that changes nothing, a parameter without gradient or made without the factory, FLOPs that do not scale,
-decoding that forgets its state) fails exactly its check, with the message checked. Likewise a converter section
+document; tensor-parallel, sequence-tensor-parallel, sequence-data-parallel, generation) passes every check the kit
+runs in-process; one broken variant per failure (wrong output shape, state leaking across documents, a false
+tensor-parallel claim, a field that changes nothing, a parameter without gradient or made without the factory, FLOPs
+that do not scale, decoding that forgets its state, slices that forget the slice before) fails exactly its check,
+with the message checked. Likewise a converter section
 in made-up formats: right, or with a field, a weight or a key unclaimed, or an import that does not invert its export.
-The three failures of the issue also go through pytest itself (`pytester`), as a plugin author sees them; and the
+The three failures of the issue, and a false sequence-data-parallel claim, also go through pytest itself
+(`pytester`), as a plugin author sees them; and the
 pytest plugin is checked to load without torch. These plugins are registered in-process (`register_plugin`); the kit
 on installed plugins is each first-party plugin's test_<name>_conformance.py.
 """
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     Computed,
@@ -41,7 +44,9 @@ from blockzoo.api import (
     configclass,
     create_parameter,
     field,
+    gather_slices,
     hookimpl,
+    previous_slice,
 )
 from blockzoo.plugins import register_plugin
 from blockzoo.testing import (
@@ -50,8 +55,10 @@ from blockzoo.testing import (
     MixerConformance,
     build_layer,
     check_decoding,
+    check_forward_slices,
     check_matches_layer,
     check_packed_documents,
+    check_sequence_data_parallel,
     check_tensor_parallel,
     layer_signature,
     single_process,
@@ -67,7 +74,9 @@ pytest_plugins = ["pytester"]
 class PreviousTokenConfig(MixerConfig):
     """y_t = output(v_t + mix ⊙ v_{t-1}), v = input(x), v_{-1} = 0 at each document start."""
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     channels: int = field(8, doc="Width of v.", validator=at_least(1))
     mix: ParameterConfig = field(factory=ParameterConfig, doc="Weight of the previous token, per channel.")
@@ -91,6 +100,28 @@ class PreviousTokenMixer(Mixer):
 
     def mixed(self, values, batch, state):
         return values + self.mix.to(values.dtype) * self.previous(values, batch, state)
+
+    def forward_slice(self, hidden, batch, previous):
+        """The carry is the last v before the next slice: over a group, the last rank's (the same on every rank)."""
+        values = self.input(hidden)
+        group = batch.sequence_data.group
+        last = values[-1:]
+        before = previous_slice(last, group)  # the rank before's last v; zeros on the first rank
+        if previous is not None:
+            # The first rank reads the carry; the others keep it in their graph with a zero gradient, so that every
+            # rank takes part in the backward of the exchange that made it.
+            first = torch.tensor(batch.sequence_data.rank == 0, device=values.device)
+            before = before + torch.where(first, previous, 0.0)
+        carry = gather_slices(last, group)[-1:]
+        return self.output(self.mixed_slice(values, batch, before)), carry
+
+    def mixed_slice(self, values, batch, before):
+        shifted = torch.cat([before, values[:-1]])
+        starts = batch.cu_seqlens[1:-1].long()  # the pieces after the first start their documents
+        shifted = shifted.index_put((starts,), torch.zeros_like(values[starts]))
+        if not batch.continued:
+            shifted = torch.cat([torch.zeros_like(before), shifted[1:]])
+        return values + self.mix.to(values.dtype) * shifted
 
     def previous(self, values, batch, state):
         """v_{t-1} within each document: zeros (or the state's last value) before each document's first token."""
@@ -189,6 +220,25 @@ class ConstantFlopsMixer(PreviousTokenMixer):
 
 
 @configclass
+class FalseSequenceDataParallelConfig(PreviousTokenConfig):
+    """Declares sequence_data_parallel but starts every slice afresh: a document continued from the slice before
+    loses its previous token."""
+
+
+class FalseSequenceDataParallelMixer(PreviousTokenMixer):
+    def forward_slice(self, hidden, batch, previous):
+        values = self.input(hidden)
+        return self.output(self.mixed_slice(values, batch, torch.zeros_like(values[:1]))), None
+
+
+@configclass
+class NoSlicesConfig(PreviousTokenConfig):
+    """Does not declare sequence_data_parallel."""
+
+    capabilities: ClassVar[frozenset[str]] = PreviousTokenConfig.capabilities - {SEQUENCE_DATA_PARALLEL}
+
+
+@configclass
 class ForgetfulConfig(PreviousTokenConfig):
     """Declares generation_cache but ignores its state."""
 
@@ -208,6 +258,8 @@ TYPES = {
     "hand_made_parameter": (HandMadeParameterConfig, "HandMadeParameterMixer"),
     "constant_flops": (ConstantFlopsConfig, "ConstantFlopsMixer"),
     "forgetful": (ForgetfulConfig, "ForgetfulMixer"),
+    "false_sequence_data_parallel": (FalseSequenceDataParallelConfig, "FalseSequenceDataParallelMixer"),
+    "no_slices": (NoSlicesConfig, "PreviousTokenMixer"),
 }
 
 
@@ -311,6 +363,7 @@ IN_PROCESS_CHECKS = [
     "test_gradients_reach_every_parameter",
     "test_every_field_changes_something",
     "test_generation_equals_the_full_forward",
+    "test_forward_slices_equal_the_whole_forward",
     "test_flops_are_reported_and_scale_with_tokens",
 ]
 
@@ -365,6 +418,12 @@ BROKEN = [
         "test_generation_equals_the_full_forward",
         r"(?s)decoding step 1 \(2 tokens after 3\) of sequence 0 differs .* from the full forward\n.*\n"
         r"new_state\(\.\.\.\) must hold all that forward needs from earlier tokens",
+    ),
+    (
+        "false_sequence_data_parallel",
+        "test_forward_slices_equal_the_whole_forward",
+        r"(?s)^slices of 1 tokens: the output differs .* from the whole forward\n.*Over slices of sequences, "
+        r"forward_slice\(hidden, batch, previous\) must give what the whole forward gives",
     ),
 ]
 
@@ -464,6 +523,36 @@ def test_check_tensor_parallel_lists_the_problems_of_every_case_and_refusal(kitt
     assert "\nWhat to fix:\nA layer that declares tensor_parallel must give" in message
 
 
+@pytest.mark.distributed
+def test_check_sequence_data_parallel_lists_the_problems_of_every_case(kittest):
+    cases = {
+        "working": {"type": "kittest.previous_token", "channels": 8},
+        "forgets-the-slice-before": {"type": "kittest.false_sequence_data_parallel", "channels": 8},
+    }
+    with pytest.raises(ConformanceError) as raised:
+        check_sequence_data_parallel(MixerConfig, cases, lengths=(7, 1, 4), micro_sequence_lengths=(None, 3))
+    message = str(raised.value)
+    assert "working" not in message
+    # Document 0 (tokens 0:7) straddles the ranks' slices (6:12 on rank 1) and the micro-sequences (3:6 on rank 1, 6:9
+    # on rank 0): where a slice continues it, its first output differs, and the input gradient of the token before.
+    plain = "forgets-the-slice-before: sequence_data_parallel=2"
+    micro = f"{plain}, micro_sequence_length=3"
+    assert message.startswith(f"{plain}, rank 0: the input gradient differs")
+    assert f"\n{plain}, rank 1: the output differs" in message
+    assert f"\n{micro}, rank 0: the output differs" in message and f"\n{micro}, rank 1: the output differs" in message
+    assert "\nWhat to fix:\nA layer that declares sequence_data_parallel must give, on each rank" in message
+
+
+def test_check_forward_slices_and_sequence_data_parallel_refuse_what_they_cannot_run(kittest):
+    layer = build_layer(PreviousTokenConfig(channels=8))
+    with pytest.raises(ValueError, match=r"slices of 5 tokens do not divide the 12 tokens of documents \[5, 1, 6\]"):
+        check_forward_slices(layer, lengths=[5, 1, 6], slice_length=5, tolerance={"atol": 1e-5})
+    with pytest.raises(ValueError, match="12 tokens do not split into slices over 2 ranks with micro-sequences of 5"):
+        check_sequence_data_parallel(PreviousTokenConfig, {}, lengths=(5, 1, 6), micro_sequence_lengths=(5,))
+    with pytest.raises(ConformanceError, match="case 'plain': NoSlicesConfig does not declare sequence_data_parallel"):
+        check_sequence_data_parallel(MixerConfig, {"plain": {"type": "kittest.no_slices"}}, lengths=(5, 1, 6))
+
+
 def test_check_tensor_parallel_refuses_cases_it_cannot_split(kittest):
     cases = {"odd": {"type": "kittest.previous_token", "channels": 3}, "typo": {"type": "kittest.no_such_type"}}
     with pytest.raises(ConformanceError, match=r"(?s)case 'typo' does not structure as MixerConfig: .*unknown mixer"):
@@ -551,6 +640,10 @@ class TestLeaky(type(kit.conformance("leaky"))):
 
 class TestFalseTensorParallel(type(kit.conformance("false_tensor_parallel"))):
     pass
+
+
+class TestFalseSequenceDataParallel(type(kit.conformance("false_sequence_data_parallel"))):
+    pass
 """
 
 
@@ -586,6 +679,32 @@ def test_pytest_reports_broken_plugins_with_what_to_fix(pytester):
     reports = output.split("short test summary info")[0]
     assert reports.count("A layer that declares tensor_parallel must give") == 1
     assert "terminated with the following error" not in output  # the ranks' findings, not their tracebacks
+
+
+@pytest.mark.distributed
+def test_pytest_reports_a_false_sequence_data_parallel_claim(pytester):
+    path = pytester.makepyfile(test_author=AUTHOR_TESTS)
+    checks = ["test_forward_slices_equal_the_whole_forward", "test_sequence_data_parallel_matches_one_process"]
+    selected = [
+        f"{path.name}::{kind}::{check}" for kind in ("TestWorking", "TestFalseSequenceDataParallel") for check in checks
+    ]
+    result = pytester.runpytest_subprocess(*selected, "-p", "no:cacheprovider", "--strict-markers", timeout=300)
+    result.assert_outcomes(passed=2, failed=2)
+    output = result.stdout.str()
+    assert "FAILED test_author.py::TestFalseSequenceDataParallel::test_forward_slices_equal_the_whole_forward" in output
+    assert (
+        "FAILED test_author.py::TestFalseSequenceDataParallel::test_sequence_data_parallel_matches_one_process"
+        in output
+    )
+    assert "ConformanceError: slices of 1 tokens: the output differs" in output
+    assert "Over slices of sequences, forward_slice(hidden, batch, previous) must give what the whole forward" in output
+    # Documents (5, 1, 6): only micro-sequences of 3 tokens over 2 ranks make a slice continue a document.
+    assert re.search(
+        r"ConformanceError: config_factory\(\): sequence_data_parallel=2, micro_sequence_length=3, rank [01]: the",
+        output,
+    )
+    assert re.search(r"\nE +What to fix:\nE +A layer that declares sequence_data_parallel must give", output)
+    assert "terminated with the following error" not in output
 
 
 # ---------------------------------------------------------------------------------------------------------------------

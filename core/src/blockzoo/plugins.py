@@ -31,7 +31,7 @@ from blockzoo.config import PolymorphicConfig, UnknownTypeError
 
 PROJECT = "blockzoo"
 ENTRY_POINT_GROUP = "blockzoo.plugins"
-PLUGIN_API = (1, 0)
+PLUGIN_API = (1, 1)
 CORE_PLUGIN = "blockzoo"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -17,7 +17,7 @@ from blockzoo.config import ConfigError, structure, update
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
-from blockzoo.layers.config import GENERATION_CACHE, TENSOR_PARALLEL, MLPConfig
+from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MLPConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
 from blockzoo_moe import moe
@@ -456,7 +456,7 @@ def test_registered_as_moe():
     entry = get_registry().resolve("mlp", "moe")
     assert entry.config_class is MoEMLPConfig and entry.load_implementation() is MoEMLP
     assert entry.plugin.distribution == "blockzoo-moe"
-    expected = {TENSOR_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL}
+    expected = {TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL}
     assert set(entry.plugin.info.capabilities) == MoEMLPConfig.capabilities == expected
 
 

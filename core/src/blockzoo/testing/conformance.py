@@ -21,6 +21,8 @@ Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_par
   outputs, every trainable parameter receives a gradient;
 - declared capabilities: `tensor_parallel` (and `sequence_tensor_parallel`) on gloo ranks against one process,
   outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
+  `sequence_data_parallel`: the batch cut into slices run one after the other (`forward_slice`, carries passed on)
+  equals the whole forward, and split over gloo ranks (with and without micro-sequences) equals one process;
 - a model using the layer survives a checkpoint save / load; `flops` is reported and scales with the tokens.
 
 The pieces these checks are made of serve a plugin's own tests too: `blockzoo.testing.layers` (build a layer, run
@@ -61,7 +63,7 @@ from blockzoo.conversion import (
 )
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import MLP, Batch, Layer, Mixer
-from blockzoo.layers.config import GENERATION_CACHE, TENSOR_PARALLEL, MixerConfig, MLPConfig
+from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MixerConfig, MLPConfig
 from blockzoo.layers.parameter import materialize
 from blockzoo.plugins import ENTRY_POINT_GROUP, TypeEntry, get_registry
 from blockzoo.testing.layers import (
@@ -70,12 +72,13 @@ from blockzoo.testing.layers import (
     _build,
     _mismatch,
     check_decoding,
+    check_forward_slices,
     check_packed_documents,
     layer_inputs,
     layer_signature,
     single_process,
 )
-from blockzoo.testing.parallel import check_tensor_parallel
+from blockzoo.testing.parallel import check_sequence_data_parallel, check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,6 +103,12 @@ class LayerConformance:
     tolerance: ClassVar[Mapping[str, float]] = {"atol": 1e-5, "rtol": 1e-5}
     # Tensor-parallel sizes checked when the type declares tensor_parallel (one set of gloo processes per size).
     tensor_parallel_sizes: ClassVar[tuple[int, ...]] = (2,)
+    # When the type declares sequence_data_parallel: the slice lengths run one after the other in one process (they
+    # must divide the tokens of `lengths`; 4 makes documents straddle slices), the sequence-data-parallel sizes on
+    # gloo (one set of processes per size) and the micro-sequence lengths checked with them (None: one slice a rank).
+    slice_lengths: ClassVar[tuple[int, ...]] = (1, 4, 6)
+    sequence_data_parallel_sizes: ClassVar[tuple[int, ...]] = (2,)
+    micro_sequence_lengths: ClassVar[tuple[int | None, ...]] = (None, 3)
     # Field name -> an update of the config that should change the layer, for fields whose change the kit cannot
     # derive (strings, lists) or that need other fields set with them: {"activation": {"activation": "relu"}}.
     field_changes: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
@@ -400,6 +409,31 @@ class LayerConformance:
                 lengths=self.lengths,
                 tolerance=self.tolerance,
                 tensor_parallel=size,
+                seed=self.seed,
+            )
+
+    def test_forward_slices_equal_the_whole_forward(self) -> None:
+        config = self._config()
+        if SEQUENCE_DATA_PARALLEL not in config.capabilities:
+            pytest.skip(f"{type(config).__name__} does not declare sequence_data_parallel")
+        layer = self._build(config)
+        for length in self.slice_lengths:
+            check_forward_slices(layer, lengths=self.lengths, slice_length=length, tolerance=self.tolerance)
+
+    @pytest.mark.distributed
+    def test_sequence_data_parallel_matches_one_process(self) -> None:
+        config = self._config()
+        if SEQUENCE_DATA_PARALLEL not in config.capabilities:
+            pytest.skip(f"{type(config).__name__} does not declare sequence_data_parallel")
+        for size in self.sequence_data_parallel_sizes:
+            check_sequence_data_parallel(
+                self.kind_config,
+                {"config_factory()": config},
+                hidden_size=self.hidden_size,
+                lengths=self.lengths,
+                tolerance=self.tolerance,
+                sequence_data_parallel=size,
+                micro_sequence_lengths=self.micro_sequence_lengths,
                 seed=self.seed,
             )
 

@@ -404,6 +404,10 @@ def _check_sequence_parallel(job: _SequenceJob) -> None:
                 problems += _sliced_problems(
                     job, case, distributed, sequence_data, ranges, expected, f"{label}, rank {rank}"
                 )
+        # Every rank reports what every rank found (the parent sees the first failing rank's message).
+        found: list[list[str]] = [[] for _ in range(job.size)]
+        dist.all_gather_object(found, problems, group=distributed.sequence_data_group)
+        problems = [problem for rank_problems in found for problem in rank_problems]
     if problems:
         raise ConformanceError("\n".join([*dict.fromkeys(problems), "What to fix:", _SEQUENCE_DATA_PARALLEL_FIX]))
 

@@ -8,6 +8,7 @@ import attrs
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     TENSOR_PARALLEL,
     Activation,
     LinearConfig,
@@ -36,9 +37,11 @@ class MoEMLPConfig(MLPConfig):
     intermediate dim between tensor-parallel ranks; gate, up and down keep their own `LinearConfig`.
     """
 
-    # Not sequence-tensor- or sequence-data-parallel: the load-balancing statistics are means over all the tokens
-    # of the batch, which a token-split rank does not see.
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL})
+    # Not sequence-tensor-parallel: the load-balancing statistics are means over all the tokens of the batch, which
+    # a token-split rank does not see. Sequence-data-parallel: the statistics are summed over the slices first.
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE, EXPERT_PARALLEL}
+    )
 
     experts: int = field(8, doc="Number of routed experts.", validator=at_least(1))
     experts_per_token: int = field(2, doc="Routed experts each token goes through (top-k).", validator=at_least(1))

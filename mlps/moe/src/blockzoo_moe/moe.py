@@ -17,6 +17,11 @@ of every expert's output, reduced once after the per-token sum. The router is re
 every rank computes the same logits, routing and losses; the scores enter the tensor-parallel region (their
 gradient is summed over the ranks' partial outputs).
 
+Sequence-data parallelism and micro-sequences need nothing of the experts (each token is routed alone); the load-
+balancing and z losses are functions of sums over the tokens (routings and probabilities per expert, squared router
+log-sum-exps, the token count), added as statistics (`Batch.add_statistics_loss`), so over slices the engine sums
+them over every slice of the micro-batch first: the losses equal the single process's.
+
 Expert parallelism (`expert_parallel`) splits the experts between the data-parallel ranks: their weights are
 parameters sharded over the data group (`create_parameter(data_parallel_dims=...)`: not all-reduced over it, the
 checkpoint holds the global tensor). Each rank routes its own tokens, sends each (token, expert) pair to the rank
@@ -382,17 +387,29 @@ class MoEMLP(MLP):
         return hidden * noise
 
     def _add_losses(self, logits: torch.Tensor, counts: torch.Tensor, batch: Batch) -> None:
-        """`counts`: the (token, expert) pairs routed to each expert."""
+        """`counts`: the (token, expert) pairs routed to each expert. Both losses are functions of sums over the
+        tokens (`Batch.add_statistics_loss`): over slices of sequences they cover the whole micro-batch."""
         config = self.config
+        tokens = logits.new_full((), float(len(logits)))  # a fill on the device, no host copy
         if config.auxiliary_loss_coefficient:
             # Fraction of the routings that go to each expert (not differentiable) · mean probability of each expert.
-            routed_fraction = counts.float() / len(logits)
-            mean_probability = self.probabilities(logits).mean(dim=0)
-            balance = config.experts * (routed_fraction * mean_probability).sum()
-            batch.add_loss(f"{self.name}.load_balancing", config.auxiliary_loss_coefficient * balance)
+            statistics = {"routed": counts.float(), "probability": self.probabilities(logits).sum(dim=0)}
+            batch.add_statistics_loss(
+                f"{self.name}.load_balancing", {**statistics, "tokens": tokens}, self._load_balancing_loss
+            )
         if config.z_loss_coefficient:
-            z_loss = torch.logsumexp(logits, dim=-1).square().mean()
-            batch.add_loss(f"{self.name}.router_z_loss", config.z_loss_coefficient * z_loss)
+            z_squares = torch.logsumexp(logits, dim=-1).square().sum()
+            batch.add_statistics_loss(
+                f"{self.name}.router_z_loss", {"z_squares": z_squares, "tokens": tokens}, self._z_loss
+            )
+
+    def _load_balancing_loss(self, statistics: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = statistics["tokens"]
+        routed_fraction, mean_probability = statistics["routed"] / tokens, statistics["probability"] / tokens
+        return self.config.auxiliary_loss_coefficient * self.config.experts * (routed_fraction * mean_probability).sum()
+
+    def _z_loss(self, statistics: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.config.z_loss_coefficient * statistics["z_squares"] / statistics["tokens"]
 
     def _routed_experts(
         self, hidden: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor, order: ExpertOrder | None = None

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     BiasConfig,
@@ -31,7 +32,9 @@ class GatedConvolutionConfig(MixerConfig):
     its own document (the gated short convolution of H3, Hyena and Mamba's conv1d)."""
 
     # What the layer can do: blockzoo refuses a run that needs more, and the conformance kit checks each claim.
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     channels: int = field(256, doc="Width of the convolved values x and of the gate.", validator=at_least(1))
     kernel_size: int = field(4, doc="Tokens each convolution sees, the current one included.", validator=at_least(1))

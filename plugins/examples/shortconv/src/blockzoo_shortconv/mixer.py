@@ -11,6 +11,13 @@ the layout, and each part keeps its own config); the convolution's weight and bi
 scatter the output back), so the convolution sees every token.
 
 Generation: the state holds each sequence's last kernel_size - 1 inputs x of the convolution.
+
+Slices of sequences (`forward_slice`: sequence-data parallelism, micro-sequences): the convolution of a slice needs
+the kernel_size - 1 inputs x before it. `blockzoo.ssm.causal_conv1d_slice` takes them from the previous slice's
+carry (one slice after another) or, over a sequence-data group, all-gathers every rank's last inputs and takes the
+ones just before its slice (the halo; its backward sends the gradients back to the ranks they came from); the carry
+is the last kernel_size - 1 inputs before the next slice, the same on every rank of the group. Nothing else of the
+layer crosses a token.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from blockzoo.api import (
     UniformInitializationConfig,
     create_parameter,
 )
-from blockzoo.ssm import causal_conv1d
+from blockzoo.ssm import causal_conv1d, causal_conv1d_slice
 
 from blockzoo_shortconv.config import GatedConvolutionConfig
 
@@ -79,6 +86,16 @@ class GatedConvolution(Mixer):
         x, gate = projected[:, self._input_rows], projected[:, self._gate_rows]
         convolved = causal_conv1d(x, self.convolution_weight, self.convolution_bias, batch, state=state)
         return self.out_proj(convolved * F.silu(gate))
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixer over one slice of longer sequences: (output, carry), the carry being the convolution's last
+        kernel_size - 1 inputs [kernel_size - 1, channels] before the next slice (blockzoo.api.Mixer.forward_slice)."""
+        projected = self.in_proj(hidden)
+        x, gate = projected[:, self._input_rows], projected[:, self._gate_rows]
+        convolved, carry = causal_conv1d_slice(x, self.convolution_weight, self.convolution_bias, batch, previous)
+        return self.out_proj(convolved * F.silu(gate)), carry
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Each sequence's last kernel_size - 1 convolution inputs (this rank's channels)."""
