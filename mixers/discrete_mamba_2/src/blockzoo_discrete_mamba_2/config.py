@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     ConfigFieldError,
@@ -42,7 +43,9 @@ class DiscreteMamba2Config(MixerConfig):
     output = out_proj(y ⊙ silu(z + z_bias)).
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
     # The LinearConfig fields of in_proj's components, in its row order (the reference's).
     IN_PROJ_COMPONENTS: ClassVar[tuple[str, ...]] = ("x", "b", "c", "z", "dt")
 

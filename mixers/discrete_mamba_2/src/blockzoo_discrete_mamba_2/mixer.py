@@ -28,7 +28,7 @@ from blockzoo.api import (
     UniformInitializationConfig,
     create_parameter,
 )
-from blockzoo.ssm import CausalConvolution, ssd_scan
+from blockzoo.ssm import CausalConvolution, SSMCarry, ssd_scan, ssd_scan_slice
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
 
 
@@ -124,36 +124,67 @@ class DiscreteMamba2(Mixer):
     def forward(self, hidden: torch.Tensor, batch: Batch, state: DiscreteMamba2State | None = None) -> torch.Tensor:
         if state is not None:
             state.check(batch)
-        config = self.config
         projected = self.in_proj(hidden)  # Every token of the batch, this rank's rows.
-        x_slice, b_slice, c_slice, z_slice, dt_slice = self._in_proj_slices
-        activation = None if config.activation == "identity" else config.activation
         xbc = self.convolution(
-            projected[:, : c_slice.stop], batch, activation=activation, state=None if state is None else state.conv
+            self._xbc(projected), batch, activation=self._activation, state=None if state is None else state.conv
         )
-        tokens = len(xbc)
-        x = xbc[:, x_slice].unflatten(1, (self._local_heads, config.head_size))
-        b = xbc[:, b_slice].unflatten(1, (self._local_groups, config.state_size))
-        c = xbc[:, c_slice].unflatten(1, (self._local_groups, config.state_size))
-        dt = F.softplus(projected[:, dt_slice].float())
-        a = -torch.ones(self._local_heads, device=hidden.device)
         y = ssd_scan(
-            x,
-            dt,
-            a,
-            b,
-            c,
+            *self._scan_inputs(projected, xbc),
             batch,
-            chunk_size=config.chunk_size,
+            chunk_size=self.config.chunk_size,
             D=self.d,
             scale_input=False,
             state=None if state is None else state.ssm,
         )
-        y = y.reshape(tokens, -1)
-        z = projected[:, z_slice]
+        return self._output(projected, y)
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
+    ) -> tuple[torch.Tensor, SSMCarry]:
+        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
+        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
+        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        previous_inputs, previous_state = (None, None) if previous is None else previous
+        projected = self.in_proj(hidden)
+        xbc, convolution = self.convolution.forward_slice(
+            self._xbc(projected), batch, previous_inputs, activation=self._activation
+        )
+        y, ssm = ssd_scan_slice(
+            *self._scan_inputs(projected, xbc),
+            batch,
+            previous_state,
+            chunk_size=self.config.chunk_size,
+            D=self.d,
+            scale_input=False,
+        )
+        return self._output(projected, y), SSMCarry(convolution, ssm)
+
+    @property
+    def _activation(self) -> str | None:
+        return None if self.config.activation == "identity" else self.config.activation
+
+    def _xbc(self, projected: torch.Tensor) -> torch.Tensor:
+        """The convolution's input x‖B‖C: the leading rows of in_proj's output."""
+        return projected[:, : self._in_proj_slices[2].stop]
+
+    def _scan_inputs(self, projected: torch.Tensor, xbc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x, dt, A, B, C) of the scan: dt = softplus(in_proj's dt) in fp32, A = -1 for every head."""
+        config = self.config
+        x_slice, b_slice, c_slice, _, dt_slice = self._in_proj_slices
+        return (
+            xbc[:, x_slice].unflatten(1, (self._local_heads, config.head_size)),
+            F.softplus(projected[:, dt_slice].float()),
+            -torch.ones(self._local_heads, device=projected.device),
+            xbc[:, b_slice].unflatten(1, (self._local_groups, config.state_size)),
+            xbc[:, c_slice].unflatten(1, (self._local_groups, config.state_size)),
+        )
+
+    def _output(self, projected: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """out_proj(y · silu(z + z_bias))."""
+        z = projected[:, self._in_proj_slices[3]]
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)
-        return self.out_proj(y * F.silu(z))
+        return self.out_proj(y.reshape(len(y), -1) * F.silu(z))
 
     def new_state(
         self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     BiasConfig,
@@ -54,7 +55,9 @@ class MambaConfig(MixerConfig):
     tensor_parallel must divide the x/B heads and the C heads); out_proj and x_proj are row-parallel.
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     state_size: int = field(
         16, doc="State size N of each channel (mamba_ssm `d_state`, HF `state_size`).", validator=at_least(1)

@@ -12,6 +12,8 @@ comes from the hidden states through the replicated dt_in_proj, B and C from in_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,14 @@ from blockzoo.api import (
     gather_tokens,
     get_registry,
 )
-from blockzoo.ssm import ALogStateInitializationConfig, CausalConvolution, DtBiasInitializationConfig, selective_scan
+from blockzoo.ssm import (
+    ALogStateInitializationConfig,
+    CausalConvolution,
+    DtBiasInitializationConfig,
+    SSMCarry,
+    selective_scan,
+    selective_scan_slice,
+)
 from blockzoo_mamba.config import MambaConfig
 
 
@@ -164,42 +173,71 @@ class Mamba(Mixer):
     def forward(self, hidden: torch.Tensor, batch: Batch, state: MambaState | None = None) -> torch.Tensor:
         if state is not None:
             self._check_state(state, batch)
+        convolution_state = None if state is None else state.convolution
+
+        def convolve(x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return self.convolution(x, batch, activation="silu", state=convolution_state), None
+
+        parts, (x, delta, a, b, c), _ = self._scan_inputs(hidden, convolve)
+        y = selective_scan(x, delta, a, b, c, batch, state=None if state is None else state.ssm)
+        return self._output(y, x, parts["z"], hidden.dtype)
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
+    ) -> tuple[torch.Tensor, SSMCarry]:
+        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
+        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
+        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        previous_inputs, previous_state = (None, None) if previous is None else previous
+
+        def convolve(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.convolution.forward_slice(x, batch, previous_inputs, activation="silu")
+
+        parts, (x, delta, a, b, c), convolution = self._scan_inputs(hidden, convolve)
+        y, ssm = selective_scan_slice(x, delta, a, b, c, batch, previous_state)
+        return self._output(y, x, parts["z"], hidden.dtype), SSMCarry(convolution, ssm)
+
+    def _scan_inputs(self, hidden: torch.Tensor, convolve: Callable):
+        """(in_proj's parts, the scan's inputs (x, delta, A, B, C), what `convolve` returned beside its output).
+        `convolve(x) -> (convolved x, anything)` runs the causal convolution."""
         projected = self.in_proj(hidden)
         parts = {component: projected[:, rows] for component, rows in self._in_proj_slices.items()}
-        convolution_state = None if state is None else state.convolution
         if self.config.grouped:
-            x, dt, b, c = self._grouped_inputs(hidden, parts, batch, convolution_state)
+            x, dt, b, c, convolved = self._grouped_inputs(hidden, parts, convolve)
         else:
-            x, dt, b, c = self._standard_inputs(parts, batch, convolution_state)
+            x, dt, b, c, convolved = self._standard_inputs(parts, convolve)
         delta = self.dt_proj(dt).float()
         if self.dt_bias is not None:
             delta = delta + self.dt_bias.float()
-        a = -torch.exp(self.a_log.float())
-        y = selective_scan(x, F.softplus(delta), a, b, c, batch, state=None if state is None else state.ssm)
-        y = (y.float() + x.float() * self.d.float()) * F.silu(parts["z"].float())
-        return self.out_proj(y.to(hidden.dtype))
+        return parts, (x, F.softplus(delta), -torch.exp(self.a_log.float()), b, c), convolved
 
-    def _standard_inputs(self, parts: dict, batch: Batch, convolution_state: torch.Tensor | None):
-        """x (convolved), dt (residual-stream layout), B and C [tokens, 1, state] (every token)."""
-        x = self.convolution(parts["x"], batch, activation="silu", state=convolution_state)
+    def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = (y.float() + x.float() * self.d.float()) * F.silu(z.float())
+        return self.out_proj(y.to(dtype))
+
+    def _standard_inputs(self, parts: dict, convolve: Callable):
+        """x (convolved), dt (residual-stream layout), B and C [tokens, 1, state] (every token), what `convolve`
+        returned beside x."""
+        x, convolved = convolve(parts["x"])
         state_size = self.config.state_size
         dt, b, c = self.x_proj(x).split([self._dt_rank, state_size, state_size], dim=-1)
         dt = self._apply(self.dt_norm, dt)
         b_c = self._enter_tensor_region(torch.cat([self._apply(self.b_norm, b), self._apply(self.c_norm, c)], -1))
-        return x, dt, b_c[:, None, :state_size], b_c[:, None, state_size:]
+        return x, dt, b_c[:, None, :state_size], b_c[:, None, state_size:], convolved
 
-    def _grouped_inputs(self, hidden: torch.Tensor, parts: dict, batch: Batch, convolution_state: torch.Tensor | None):
-        """x (convolved, repeated to every head), dt, B (repeated) and C [tokens, heads, state]."""
+    def _grouped_inputs(self, hidden: torch.Tensor, parts: dict, convolve: Callable):
+        """x (convolved, repeated to every head), dt, B (repeated) and C [tokens, heads, state], what `convolve`
+        returned beside x."""
         dt = self._apply(self.dt_norm, self.dt_in_proj(hidden))
-        x = parts["x"]
         if self.config.repeat_xb_before_convolution:
-            x = self.convolution(self._repeat_heads(x), batch, activation="silu", state=convolution_state)
+            x, convolved = convolve(self._repeat_heads(parts["x"]))
         else:
-            x = self._repeat_heads(self.convolution(x, batch, activation="silu", state=convolution_state))
+            x, convolved = convolve(parts["x"])
+            x = self._repeat_heads(x)
         state_size = self.config.state_size
         b = self._apply(self.b_norm, parts["b"].unflatten(-1, (-1, state_size)))
         c = self._apply(self.c_norm, parts["c"].unflatten(-1, (-1, state_size)))
-        return x, dt, b.repeat_interleave(self._repeats, dim=1), c
+        return x, dt, b.repeat_interleave(self._repeats, dim=1), c, convolved
 
     def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
         """x/B head g serves the C heads g·repeats ... (g + 1)·repeats - 1 (HF's `repeat_kv` order)."""

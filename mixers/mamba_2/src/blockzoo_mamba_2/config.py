@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     Config,
@@ -65,7 +66,9 @@ class Mamba2Config(MixerConfig):
     components, the convolution's channels, dt_bias, A_log, D and the norm; out_proj is row-parallel.
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     heads: int = field(
         8, doc="SSM heads, each with its own dt, A and D (mamba_ssm `nheads`, HF `num_heads`).", validator=at_least(1)

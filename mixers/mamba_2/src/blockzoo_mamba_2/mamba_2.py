@@ -36,8 +36,10 @@ from blockzoo.ssm import (
     ALogRangeInitializationConfig,
     CausalConvolution,
     DtBiasInitializationConfig,
+    SSMCarry,
     gated_rms_norm,
     ssd_scan,
+    ssd_scan_slice,
 )
 from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, GatedNormalizationConfig, Mamba2Config
 
@@ -152,31 +154,55 @@ class Mamba2(Mixer):
         return create_parameter(f"{self.name}.{role}", (dim,), settings, self.distributed)
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Mamba2State | None = None) -> torch.Tensor:
-        config = self.config
         if state is not None:
             self._check_state(state, batch)
-        # Views of in_proj's output, never copied on CUDA (the kernels read strided rows); one split, so the backward
-        # assembles in_proj's gradient in one concatenation.
-        z, xbc, dt = self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
+        z, xbc, dt = self._project(hidden)
         xbc = self.convolution(xbc, batch, activation="silu", state=None if state is None else state.convolution)
-        x, b, c = xbc.split(self._xbc_sizes, dim=-1)
-        # The time step clamp(softplus(dt + dt_bias)) and A in fp32 whatever the compute dtype; on CUDA the scan
-        # kernel computes the time step as it reads dt.
         y = ssd_scan(
+            *self._scan_inputs(xbc, dt), batch, **self._scan_options(), state=None if state is None else state.ssm
+        )
+        return self.out_proj(self.normalization(y.flatten(1), z))
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
+    ) -> tuple[torch.Tensor, SSMCarry]:
+        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
+        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
+        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        previous_inputs, previous_state = (None, None) if previous is None else previous
+        z, xbc, dt = self._project(hidden)
+        xbc, convolution = self.convolution.forward_slice(xbc, batch, previous_inputs, activation="silu")
+        y, ssm = ssd_scan_slice(*self._scan_inputs(xbc, dt), batch, previous_state, **self._scan_options())
+        return self.out_proj(self.normalization(y.flatten(1), z)), SSMCarry(convolution, ssm)
+
+    def _project(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """[z, x‖B‖C, dt]: views of in_proj's output, never copied on CUDA (the kernels read strided rows); one
+        split, so the backward assembles in_proj's gradient in one concatenation."""
+        return self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x, dt, A, B, C) of the scan; A = -exp(A_log) in fp32 whatever the compute dtype."""
+        config = self.config
+        x, b, c = xbc.split(self._xbc_sizes, dim=-1)
+        return (
             x.unflatten(-1, (-1, config.head_size)),
             dt,
             -torch.exp(self.a_log.float()),
             b.unflatten(-1, (-1, config.state_size)),
             c.unflatten(-1, (-1, config.state_size)),
-            batch,
-            chunk_size=config.chunk_size,
-            D=self.d.view(-1, config.head_size) if config.d_per_channel else self.d,
-            dt_bias=self.dt_bias,
-            dt_softplus=True,
-            dt_limit=config.dt_limit,
-            state=None if state is None else state.ssm,
         )
-        return self.out_proj(self.normalization(y.flatten(1), z))
+
+    def _scan_options(self) -> dict:
+        """The skip D and the time step clamp(softplus(dt + dt_bias)) (fp32; on CUDA the scan kernel computes it as
+        it reads dt)."""
+        config = self.config
+        return {
+            "chunk_size": config.chunk_size,
+            "D": self.d.view(-1, config.head_size) if config.d_per_channel else self.d,
+            "dt_bias": self.dt_bias,
+            "dt_softplus": True,
+            "dt_limit": config.dt_limit,
+        }
 
     def _check_state(self, state: Mamba2State, batch: Batch) -> None:
         if batch.past_lengths is None:
