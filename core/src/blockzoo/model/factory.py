@@ -80,6 +80,7 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     if distributed is None:
         alone = {"tensor_parallel": 1, "sequence_tensor_parallel": False, "pipeline_parallel": 1}
         alone |= {"pipeline_schedule": "1f1b", "pipeline_stages_per_rank": 1, "pipeline_split": None}
+        alone |= {"sequence_data_parallel": 1, "micro_sequence_length": None}
         data = merge(data, {"distributed": alone})
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
     with uninitialized():
