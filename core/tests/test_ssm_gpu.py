@@ -250,3 +250,92 @@ def test_ssd_scan_skip_on_cuda(scale_input):
         )
 
     _compare_on_cuda(scan_with_skip, (*inputs.values(), skip), torch.float32, 1e-2)
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_ssd_scan_kernel_takes_the_initial_state_and_returns_the_final_one(scale_input):
+    """mamba_ssm's `initial_states` / `return_final_states` (a slice of a longer sequence) against the torch path in
+    float64: the output, the final state, and the gradients of every input and of the initial state."""
+    inputs = _inputs(LENGTHS, dt_range=(0.01, 0.2) if scale_input else (0.2, 1.2))
+    inputs["initial"] = torch.randn(4, 32, 16, generator=torch.Generator().manual_seed(3))
+    weights = torch.Generator().manual_seed(1)
+    output_weights = torch.randn(sum(LENGTHS), 4, 32, generator=weights)
+    final_weights = torch.randn(4, 32, 16, generator=weights)
+
+    def run(device, dtype):
+        leaves = {
+            name: tensor.to(
+                device=device, dtype=dtype if name in ("x", "B", "C") else torch.promote_types(dtype, torch.float32)
+            ).requires_grad_()
+            for name, tensor in inputs.items()
+        }
+        initial = leaves.pop("initial")
+        y, final = ssd_scan(
+            *leaves.values(), Batch(LENGTHS, device=device), chunk_size=CHUNK_SIZE, scale_input=scale_input,
+            initial_state=initial, return_final_state=True,
+        )  # fmt: skip
+        loss = (y.double() * output_weights.to(device)).sum() + (final.double() * final_weights.to(device)).sum()
+        loss.backward()
+        return y, final, {**{name: leaf.grad for name, leaf in leaves.items()}, "initial": initial.grad}
+
+    expected_y, expected_final, expected_grads = run("cpu", torch.float64)
+    y, final, grads = run("cuda", torch.float32)
+    assert final.dtype == torch.float32 and final.shape == (4, 32, 16)
+    assert _relative_error(y, expected_y) < OUTPUT_TOLERANCE[torch.float32]
+    assert _relative_error(final, expected_final) < OUTPUT_TOLERANCE[torch.float32]
+    for name, grad in grads.items():
+        assert _relative_error(grad, expected_grads[name]) < GRADIENT_TOLERANCE[torch.float32], name
+
+
+def test_slice_functions_on_cuda_match_the_cpu(capsys):
+    """The slice functions (micro-sequences: the kernels with initial states and final states) over consecutive
+    slices on CUDA against the same on the CPU in float64."""
+    from blockzoo.layers.base import slice_batch
+    from blockzoo.ssm import causal_conv1d_slice, selective_scan_slice, ssd_scan_slice
+
+    lengths, boundaries = [37, 1, 300, 128, 90], [37, 50, 338, 380, 500]
+    cuts = [0, *boundaries]
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(lengths)
+    ssd = _inputs(lengths)
+    selective = {
+        "u": torch.randn(tokens, 32, generator=generator),
+        "delta": torch.rand(tokens, 32, generator=generator) * 0.2 + 0.01,
+        "A": -torch.rand(32, 8, generator=generator) - 0.5,
+        "B": torch.randn(tokens, 2, 8, generator=generator),
+        "C": torch.randn(tokens, 2, 8, generator=generator),
+    }
+    conv = {"x": torch.randn(tokens, 64, generator=generator), "weight": torch.randn(64, 4, generator=generator)}
+
+    def over_slices(function, per_token, constants, device, dtype):
+        per_token = [t.to(device=device, dtype=dtype) for t in per_token]
+        constants = [t.to(device=device, dtype=torch.promote_types(dtype, torch.float32)) for t in constants]
+        outputs, carry = [], None
+        for start, stop in zip(cuts, [*cuts[1:], tokens]):
+            batch = slice_batch(lengths, start, stop, device=device)
+            y, carry = function(*(t[start:stop] for t in per_token), *constants, batch, carry)
+            outputs.append(y)
+        return torch.cat(outputs), carry
+
+    functions = {
+        "ssd_scan_slice": (
+            lambda x, dt, B, C, A, batch, previous: ssd_scan_slice(x, dt, A, B, C, batch, previous, chunk_size=64),
+            [ssd["x"], ssd["dt"], ssd["B"], ssd["C"]],
+            [ssd["A"]],
+        ),
+        "selective_scan_slice": (
+            lambda u, delta, B, C, A, batch, previous: selective_scan_slice(u, delta, A, B, C, batch, previous),
+            [selective[name] for name in ("u", "delta", "B", "C")],
+            [selective["A"]],
+        ),
+        "causal_conv1d_slice": (
+            lambda x, weight, batch, previous: causal_conv1d_slice(x, weight, None, batch, previous, activation="silu"),
+            [conv["x"]],
+            [conv["weight"]],
+        ),
+    }
+    for name, (function, per_token, constants) in functions.items():
+        expected, expected_carry = over_slices(function, per_token, constants, "cpu", torch.float64)
+        y, carry = over_slices(function, per_token, constants, "cuda", torch.float32)
+        assert _relative_error(y, expected) < OUTPUT_TOLERANCE[torch.float32], name
+        assert _relative_error(carry, expected_carry) < OUTPUT_TOLERANCE[torch.float32], name

@@ -232,3 +232,38 @@ def test_causal_conv1d_over_consecutive_slices_equals_the_whole_sequence(case, k
     torch.testing.assert_close(carry, x[len(x) - (kernel_size - 1) :])  # the last inputs, of whatever document
     for got, expected in zip(_gradients(sliced, leaves), _gradients(whole, leaves)):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_the_kernel_call_passes_the_initial_state_and_returns_the_final_one(monkeypatch, scale_input):
+    """`mamba_chunk_scan` hands the initial state to mamba_chunk_scan_combined as `initial_states` [1, heads,
+    head_size, state] and takes its `final_states` back: a stand-in with the kernel's contract (the state enters
+    the first document, seq_idx resets it at every other; the final state is the last token's) checks the call."""
+    from blockzoo.ssm import kernels
+
+    def combined(x, dt, A, B, C, chunk_size, D, seq_idx, dt_bias, dt_softplus, dt_limit, **states):
+        assert set(states) == {"initial_states", "return_final_states"} and states["return_final_states"]
+        initial = states["initial_states"]
+        assert initial.shape == (1, *x.shape[2:], B.shape[-1]) and initial.dtype == torch.float32
+        lengths = torch.unique_consecutive(seq_idx[0], return_counts=True)[1].tolist()
+        y, finals = reference_ssd(
+            x[0], dt[0], A, B[0], C[0], lengths, initial=_first_only(initial[0], len(lengths))
+        )  # it always scales by dt
+        if D is not None:
+            y = y + D[:, None] * x[0].double()
+        return y[None].to(x.dtype), finals[-1][None].float()
+
+    monkeypatch.setattr(kernels, "_chunk_scan_combined", lambda: combined)
+    x, dt, A, B, C = ssd_inputs(LENGTHS, dtype=torch.float32)
+    D = torch.randn(x.shape[1], generator=_generator(9))
+    initial = torch.randn(*x.shape[1:], B.shape[2], generator=_generator(1))
+    document_index = Batch(LENGTHS).document_index
+    y, final = kernels.mamba_chunk_scan(
+        x, dt, A, B, C, document_index, chunk_size=4, D=D, scale_input=scale_input, initial_state=initial,
+        return_final_state=True,
+    )  # fmt: skip
+    expected, finals = reference_ssd(
+        x, dt, A, B, C, LENGTHS, scale_input=scale_input, initial=_first_only(initial, len(LENGTHS))
+    )
+    torch.testing.assert_close(y.double(), expected + D.double()[:, None] * x.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final.double(), finals[-1], rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from dm2_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, single_process
+from blockzoo.testing import check_decoding, check_forward_slices, check_matches_layer, single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +31,10 @@ CASES = {
 }
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 2e-3}, torch.bfloat16: {"relative": 3e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 2e-3}, torch.bfloat16: {"relative": 5e-2}}
+# Slices of the 256 tokens: documents straddle them; 2 is shorter than the convolution's window. The kernels in
+# TF32 chunk the slices differently from the whole batch.
+SLICE_LENGTHS = (2, 64)
+SLICE_TOLERANCE = {"relative": 5e-3}
 # Prefill prompts of different lengths, a chunk, then one token at a time.
 DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 
@@ -46,6 +50,15 @@ def test_cuda_matches_the_cpu_path(case, dtype):
         output_tolerance=OUTPUT_TOLERANCE[dtype],
         gradient_tolerance=GRADIENT_TOLERANCE[dtype],
     )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_slices_equal_the_whole_forward(case):
+    """forward_slice on CUDA (mamba_ssm's SSD kernel from an initial state, with its final state; the Triton
+    convolution reading the inputs before the slice) over consecutive slices against the whole CUDA forward."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    for slice_length in SLICE_LENGTHS:
+        check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
 
 
 def test_cuda_decoding_equals_the_full_forward():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from mamba_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, single_process
+from blockzoo.testing import check_decoding, check_forward_slices, check_matches_layer, single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,9 @@ CASES = {
 }
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 3e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 5e-2}}
+# Slices of the 256 tokens: documents straddle them; 2 is shorter than the convolution's window.
+SLICE_LENGTHS = (2, 64)
+SLICE_TOLERANCE = {"relative": 1e-3}
 # Prefill prompts of different lengths, a chunk, then one token at a time.
 DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 
@@ -41,7 +44,9 @@ def test_cuda_matches_the_cpu_path(case, dtype, monkeypatch):
 
     calls = []
     kernel = triton_selective_scan.selective_scan_triton
-    monkeypatch.setattr(triton_selective_scan, "selective_scan_triton", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(
+        triton_selective_scan, "selective_scan_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
     layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
     check_matches_layer(
         layer,
@@ -58,3 +63,12 @@ def test_cuda_matches_the_cpu_path(case, dtype, monkeypatch):
 def test_generation_on_cuda_equals_the_full_forward(case):
     layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
     check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_slices_equal_the_whole_forward(case):
+    """forward_slice on CUDA (the Triton selective scan from an initial state, with final states; the Triton
+    convolution reading the inputs before the slice) over consecutive slices against the whole CUDA forward."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    for slice_length in SLICE_LENGTHS:
+        check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)

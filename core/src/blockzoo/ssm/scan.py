@@ -156,13 +156,12 @@ def selective_scan(
     if state is None and u.is_cuda:
         from blockzoo.ssm.triton_selective_scan import selective_scan_triton
 
+        if initial_state is None and not return_final_state:
+            return selective_scan_triton(u, delta, A, B, C, batch.cu_seqlens)
         initial_states = None if initial_state is None else _first_document_only(initial_state.float(), batch)
-        scanned = selective_scan_triton(
-            u, delta, A, B, C, batch.cu_seqlens, initial_states=initial_states, return_final_states=return_final_state
+        y, finals = selective_scan_triton(
+            u, delta, A, B, C, batch.cu_seqlens, initial_states=initial_states, return_final_states=True
         )
-        if not return_final_state:
-            return scanned
-        y, finals = scanned
     else:
         y, finals = _sequential_selective_scan(u, delta, A, B, C, batch, state=state, initial=initial_state)
     return (y, finals[-1]) if return_final_state else y
