@@ -79,6 +79,18 @@ MODELS = {
         ["conv", "attn"],
     ),
 }
+# The three Mamba mixers and attention in one pattern (the SSM states and convolution inputs carried across slices).
+MODELS["mamba"] = _pattern(
+    {
+        "mamba": block({"type": "mamba", "state_size": 4, "convolution": {"kernel_size": 4}}),
+        "mamba_2": block({"type": "mamba_2", "heads": 4, "head_size": 8, "state_size": 4, "groups": 2}),
+        "discrete": block(
+            {"type": "discrete_mamba_2", "heads": 4, "groups": 2, "head_size": 8, "state_size": 4, "chunk_size": 3}
+        ),
+        "attn": block(attention()),
+    },
+    ["mamba", "mamba_2", "discrete", "attn"],
+)
 MICRO_SEQUENCE_MODELS = list(MODELS)
 DATA = {"type": "random", "sequence_length": 16, "micro_batch_size": 2, "min_document_length": 2}
 DATA |= {"max_document_length": 9}
@@ -93,6 +105,7 @@ LAYOUTS = {
             "shortconv",
             {"sequence_data_parallel": 2, "micro_sequence_length": 8, "zero_stage": 3},
         ),
+        "sdp2-mamba-micro4": ("mamba", {"sequence_data_parallel": 2, "micro_sequence_length": 4}),
     },
     4: {
         "sdp4": ("attention", {"sequence_data_parallel": 4}),
@@ -105,6 +118,12 @@ LAYOUTS = {
         ),
         "sdp2-dp2-zero3-shortconv": ("shortconv", {"sequence_data_parallel": 2, "zero_stage": 3}),
         "sdp2-pp2-moe": ("moe", {"sequence_data_parallel": 2, "pipeline_parallel": 2}),
+        "sdp4-mamba": ("mamba", {"sequence_data_parallel": 4}),
+        "sdp2-stp2-micro4-mamba": (
+            "mamba",
+            {"sequence_data_parallel": 2, "tensor_parallel": 2, "sequence_tensor_parallel": True}
+            | {"micro_sequence_length": 4},
+        ),
     },
 }
 
