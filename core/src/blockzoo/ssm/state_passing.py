@@ -52,12 +52,13 @@ def convolution_halo(
         return None, x.new_zeros(0, x.shape[1])
     before = x.new_zeros(stored, x.shape[1]) if previous is None else previous.to(x.dtype)
     group = group_of(batch)
+    tail = x[max(len(x) - stored, 0) :]  # the last min(tokens, stored) inputs
     if group is None:
         halo = before if batch.continued else None
-        return _in_document(halo, batch), torch.cat([before, x])[len(x) :]
-    # The ranks' slices have equal lengths: each sends its last min(tokens, stored) inputs, so that the rows before
-    # any rank's first token are the last `stored` rows of everything sent before it (whole slices when shorter).
-    tails = gather_slices(x[max(len(x) - stored, 0) :], group)
+        return _in_document(halo, batch), torch.cat([before, tail])[-stored:]
+    # The ranks' slices have equal lengths: each sends its tail, so that the rows before any rank's first token are
+    # the last `stored` rows of everything sent before it (whole slices when they are shorter than the window).
+    tails = gather_slices(tail, group)
     sent = len(tails) // group.size()
     halo = torch.cat([before, tails[: batch.sequence_data.rank * sent]])[-stored:]
     # The first rank reads none of `tails` (and the carry may go unused): the halo keeps them in its graph.
