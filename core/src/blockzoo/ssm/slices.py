@@ -111,8 +111,8 @@ def selective_scan_slice(
     initial, carry = initial_state_over_ranks(final, last_decay, batch, previous)
     if not batch.continued:
         return depend_on(y, initial), carry
-    # The scan is linear in its state: what the initial state adds is the scan of a zero input from it (zero after
-    # the first piece, whose state starts from zero).
+    # The scan is linear in its state: what the initial state adds is the scan of a zero input from it (zero beyond
+    # the first piece: the other pieces start from a zero state).
     correction = selective_scan(torch.zeros_like(u), delta, A, B, C, batch, initial_state=initial)
     dtype = torch.promote_types(y.dtype, torch.float32)
     return (y.to(dtype) + correction.to(dtype)).to(y.dtype), carry

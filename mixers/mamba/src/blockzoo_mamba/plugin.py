@@ -11,7 +11,7 @@ def plugin_info() -> PluginInfo:
     return PluginInfo(
         capabilities=tuple(sorted(MambaConfig.capabilities)),
         description="Mamba 1 (selective scan; mamba_ssm's layout or Apriel's grouped x/B) over packed documents, "
-        "tensor- and sequence-tensor-parallel, with a generation state; blockzoo's Triton scan on CUDA",
+        "tensor-, sequence-tensor- and sequence-data-parallel, with a generation state; blockzoo's Triton scan on CUDA",
     )
 
 

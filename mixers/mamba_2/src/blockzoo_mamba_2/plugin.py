@@ -11,8 +11,8 @@ from blockzoo_mamba_2.config import Mamba2Config
 def plugin_info() -> PluginInfo:
     return PluginInfo(
         capabilities=tuple(sorted(Mamba2Config.capabilities)),
-        description="Mamba 2 (SSD) over packed documents, tensor- and sequence-tensor-parallel, with a generation "
-        "state; mamba_ssm's Triton SSD kernels on CUDA when installed",
+        description="Mamba 2 (SSD) over packed documents, tensor-, sequence-tensor- and sequence-data-parallel, with "
+        "a generation state; mamba_ssm's Triton SSD kernels on CUDA when installed",
     )
 
 
