@@ -91,7 +91,12 @@ def test_registration_and_capabilities():
     entry = registry.resolve("mixer", "discrete_mamba_2")
     assert entry.config_class is DiscreteMamba2Config
     assert entry.load_implementation().__name__ == "DiscreteMamba2"
-    assert DiscreteMamba2Config.capabilities == {"tensor_parallel", "sequence_tensor_parallel", "generation_cache"}
+    assert DiscreteMamba2Config.capabilities == {
+        "tensor_parallel",
+        "sequence_tensor_parallel",
+        "sequence_data_parallel",
+        "generation_cache",
+    }
     plugin = registry.plugins["discrete_mamba_2"]
     assert plugin.status == "loaded" and set(plugin.info.capabilities) == DiscreteMamba2Config.capabilities
     assert isinstance(configs.structure({"type": "discrete_mamba_2", "heads": 4}, MixerConfig), DiscreteMamba2Config)

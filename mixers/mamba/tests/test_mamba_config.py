@@ -89,7 +89,12 @@ def test_registration_and_capabilities():
     assert registry.resolve("mixer", "mamba").config_class is MambaConfig
     assert registry.resolve("mixer", "mamba").load_implementation().__name__ == "Mamba"
     assert isinstance(configs.structure({"type": "mamba"}, MixerConfig), MambaConfig)
-    assert MambaConfig.capabilities == {"tensor_parallel", "sequence_tensor_parallel", "generation_cache"}
+    assert MambaConfig.capabilities == {
+        "tensor_parallel",
+        "sequence_tensor_parallel",
+        "sequence_data_parallel",
+        "generation_cache",
+    }
     plugin = registry.plugins["mamba"]
     assert plugin.status == "loaded" and set(plugin.info.capabilities) == MambaConfig.capabilities
     assert plugin.distribution == "blockzoo-mamba" and plugin.types == {"mixer": ["mamba"]}

@@ -129,7 +129,12 @@ def test_registration_and_capabilities():
     assert registry.resolve("mixer", "mamba_2").config_class is Mamba2Config
     assert registry.resolve("mixer", "mamba_2").load_implementation().__name__ == "Mamba2"
     assert isinstance(configs.structure({"type": "mamba_2"}, MixerConfig), Mamba2Config)
-    assert Mamba2Config.capabilities == {"tensor_parallel", "sequence_tensor_parallel", "generation_cache"}
+    assert Mamba2Config.capabilities == {
+        "tensor_parallel",
+        "sequence_tensor_parallel",
+        "sequence_data_parallel",
+        "generation_cache",
+    }
     record = registry.plugins["mamba_2"]
     assert record.status == "loaded" and set(record.info.capabilities) == Mamba2Config.capabilities
 
