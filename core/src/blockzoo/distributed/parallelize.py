@@ -50,7 +50,8 @@ def parallelize(model: nn.Module, run_config: RunConfig, stages: Sequence[nn.Mod
             block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
         elif policy != "none":
             block.forward = recomputed(block.forward, selective=policy == "selective")
-            block.forward_slice = recomputed_slice(block.forward_slice, selective=policy == "selective")
+            if hasattr(block, "forward_slice"):  # not a pipeline stage held elsewhere (RemotePart)
+                block.forward_slice = recomputed_slice(block.forward_slice, selective=policy == "selective")
     if stages is None:
         shard_data_parallel(model, model.decoder, model.distributed)
     for stage in stages or ():

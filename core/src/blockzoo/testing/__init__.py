@@ -7,10 +7,10 @@
   `build_layer(config, hidden_size, distributed)`, `layer_inputs(tokens, hidden_size)`, `run_layer(...)` ->
   `LayerRun`, `relative_error`, `layer_signature(layer, lengths)` -> `LayerSignature` (`.differs_from(other)`: did
   a config field change the layer?), and the checks `check_packed_documents` (packed documents against each run
-  alone), `check_matches_layer` (the same layer elsewhere: CUDA, bf16) and `check_decoding` (generation against the
-  full forward).
-- `check_tensor_parallel(config_class, cases, ...)` (`blockzoo.testing.parallel`): cases split between gloo ranks
-  against one process, all in one set of processes.
+  alone), `check_matches_layer` (the same layer elsewhere: CUDA, bf16), `check_decoding` (generation against the
+  full forward) and `check_forward_slices` (slices of the documents one after the other against the whole forward).
+- `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
+  (`blockzoo.testing.parallel`): cases split between gloo ranks against one process, all in one set of processes.
 - `run_distributed(world_size, fn, *args)` (`blockzoo.testing.distributed`): gloo ranks on the CPU.
 
 The names load on first access: importing this package imports no torch (pytest loads `blockzoo.testing.pytest_plugin`
