@@ -25,6 +25,7 @@ import blockzoo
 from blockzoo.config import structure
 from blockzoo.data.dataset import build_dataset
 from blockzoo.distributed.config import DistributedConfig
+from blockzoo.distributed.parallelize import parallelize
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
@@ -106,6 +107,10 @@ LAYOUTS = {
             {"sequence_data_parallel": 2, "micro_sequence_length": 8, "zero_stage": 3},
         ),
         "sdp2-mamba-micro4": ("mamba", {"sequence_data_parallel": 2, "micro_sequence_length": 4}),
+        "sdp2-moe-micro8-recompute": (
+            "moe",
+            {"sequence_data_parallel": 2, "micro_sequence_length": 8, "training.recompute": "selective"},
+        ),
     },
     4: {
         "sdp4": ("attention", {"sequence_data_parallel": 4}),
@@ -132,6 +137,7 @@ CHECKPOINT_LAYOUT = "sdp2-shortconv-micro8-zero3"
 
 
 def _run_config(model: str, output_dir: Path, accumulation: int, **distributed) -> RunConfig:
+    """The run; a setting named `training.<field>` is a training field (the others distributed ones)."""
     training = {
         "train_iters": STEPS,
         "gradient_accumulation": accumulation,
@@ -140,6 +146,8 @@ def _run_config(model: str, output_dir: Path, accumulation: int, **distributed) 
         "log_interval": 100,
         "output_dir": str(output_dir),
     }
+    for name in [name for name in distributed if name.startswith("training.")]:
+        training[name.removeprefix("training.")] = distributed.pop(name)
     data = run_data(MODELS[model], data=DATA, training=training)
     data["distributed"].update(timeout=120, **distributed)
     return structure(data, RunConfig)
@@ -206,6 +214,27 @@ def test_micro_sequences_give_the_whole_sequence_step(model, micro_sequence_leng
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], **GRADIENT_TOLERANCE, msg=name)
         assert expected_grads[name].abs().max() > 0, name  # every weight took part
+
+
+@pytest.mark.parametrize("model", MICRO_SEQUENCE_MODELS)
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputed_micro_sequences_give_the_whole_sequence_step(model, recompute):
+    """Recomputing the blocks' forward_slice (its carry too) changes nothing; the named losses are added once."""
+    run_config = _run_config(model, Path("unused"), 1, **{"training.recompute": recompute})
+    whole = single_process(run_config.distributed)
+    chunked = single_process(DistributedConfig(seed=SEED, backend="gloo", micro_sequence_length=4))
+    plain, recomputed = LanguageModel(run_config.model, whole), LanguageModel(run_config.model, chunked)
+    parallelize(recomputed, run_config)
+    dataset = build_dataset(run_config.data, seed=SEED, model_vocab_size=run_config.model.embeddings.vocab_size)
+    micro = next(dataset.training_batches())
+    expected_figures, expected_grads = _loss_and_gradients(plain, micro, whole)
+    figures, grads = _loss_and_gradients(recomputed, micro, chunked)
+    assert figures.keys() == expected_figures.keys()
+    for name, value in figures.items():
+        torch.testing.assert_close(value, expected_figures[name], **LOSS_TOLERANCE, msg=name)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **GRADIENT_TOLERANCE, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
