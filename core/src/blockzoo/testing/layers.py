@@ -200,16 +200,19 @@ def check_forward_slices(
     lengths: Sequence[int],
     slice_length: int,
     tolerance: Mapping[str, float],
+    dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> None:
     """Packed documents of `lengths` cut into consecutive slices of `slice_length` tokens, run one after the other
     (a mixer's `forward_slice`, each taking the previous one's carry; an MLP's forward on each slice's batch), give
     the whole forward's output, input gradient and parameter gradients, and its named losses (all differentiated
-    through the objective sum(output · weights) + the named losses)."""
+    through the objective sum(output · weights) + the named losses), the layer on its device fed `dtype` hidden
+    states both ways."""
     tokens = sum(lengths)
     if tokens % slice_length:
         raise ValueError(f"slices of {slice_length} tokens do not divide the {tokens} tokens of documents {lengths}")
     hidden, weights = layer_inputs(tokens, layer.hidden_dim.global_size, seed)
+    hidden = hidden.to(dtype)
     whole, whole_losses = _run_whole(layer, hidden, weights, lengths)
     ranges = [(start, start + slice_length) for start in range(0, tokens, slice_length)]
     sliced, sliced_losses = _run_slices(layer, hidden, weights, lengths, ranges, SequenceData())
