@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
@@ -22,6 +23,10 @@ def build_part(config: Any, *, name: str, **kwargs: Any) -> nn.Module | None:
     """Build a mixer, MLP or normalization from its config through its registered implementation (None for `none`)."""
     implementation = get_registry().implementation_of(config)
     return None if implementation is None else implementation(config, name=name, **kwargs)
+
+
+def _not_a_view(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor._base is None else tensor.clone()
 
 
 class DecoderBlock(nn.Module):
@@ -56,6 +61,9 @@ class DecoderBlock(nn.Module):
         if self.mixer is not None:
             output, carry = self.mixer.forward_slice(self.norm_1(hidden), batch, previous)
             hidden = self._add_mixer_output(hidden, output)
+            # FSDP hooks every tensor a block returns, and warns of views (an in-place change of one would skip its
+            # hook): the carry's views (small: a window's rows, a convolution's last inputs) are copied.
+            carry = tree_map_only(torch.Tensor, _not_a_view, carry)
         return self._mlp_part(hidden, batch), carry
 
     def _add_mixer_output(self, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,8 @@ def memory_report(usage: MemoryUsage, distributed: Distributed) -> str:
     per_rank = figures.reshape(-1, 3)
     stages = distributed.config.pipeline_parallel
     layout = f"ZeRO stage {distributed.config.zero_stage} over {distributed.data_size} data-parallel ranks"
+    if distributed.sequence_data_size > 1:
+        layout += f" × {distributed.sequence_data_size} sequence-data-parallel ranks"
     parts = []
     for stage, ranks in enumerate(per_rank.chunk(stages)):  # ranks are laid out pipeline-major
         top = ranks.max(0).values.tolist()
@@ -64,7 +66,7 @@ def memory_report(usage: MemoryUsage, distributed: Distributed) -> str:
             f"total {_bytes(sum(top))}"
         )
     gathered = {1: "all of them", 2: "all of them", 3: "a block at a time"}.get(distributed.config.zero_stage)
-    if gathered and distributed.data_size > 1:
+    if gathered and distributed.data_sequence_size > 1:
         parts.append(f"plus the weights gathered during a step ({gathered})")
     return f"memory per rank (the most of any rank; {layout}): " + "; ".join(parts)
 

@@ -217,6 +217,8 @@ class Attention(Mixer):
     ) -> tuple[torch.Tensor, AttentionCarry]:
         """Attention over one slice of longer sequences (see the module and `blockzoo.api.Mixer.forward_slice`)."""
         query, key, value = self._project(hidden, batch)
+        # Carried as they are (the next slices read them): a tensor of their own, not a view of the projection's.
+        key, value = key.contiguous(), value.contiguous()
         sequence_data = batch.sequence_data
         keys, values = gather_slices(key, sequence_data.group), gather_slices(value, sequence_data.group)
         if previous is not None:
