@@ -92,7 +92,16 @@ MODELS["mamba"] = _pattern(
     },
     ["mamba", "mamba_2", "discrete", "attn"],
 )
-MICRO_SEQUENCE_MODELS = list(MODELS)
+# Experts split over the data ranks (expert parallelism): each holds the tokens of its sequence-data rank's slices, its
+# gradient summed over the group. The load-balancing statistics are per micro-batch, whose samples a data-parallel
+# layout groups otherwise than the single process: left out here (the z loss, a mean of equal-sized micro-batches, is
+# kept).
+MODELS["moe-expert-parallel"] = _pattern(
+    {"attn": block(attention()), "moe": {"mixer": attention(), "mlp": {**MOE, "auxiliary_loss_coefficient": 0.0}}},
+    ["attn", "moe"],
+)
+MODELS["moe-expert-parallel"]["decoder"]["blocks"]["moe"]["mlp"]["expert_parallel"] = True
+MICRO_SEQUENCE_MODELS = [name for name in MODELS if name != "moe-expert-parallel"]
 DATA = {"type": "random", "sequence_length": 16, "micro_batch_size": 2, "min_document_length": 2}
 DATA |= {"max_document_length": 9}
 
@@ -123,6 +132,7 @@ LAYOUTS = {
         ),
         "sdp2-dp2-zero3-shortconv": ("shortconv", {"sequence_data_parallel": 2, "zero_stage": 3}),
         "sdp2-pp2-moe": ("moe", {"sequence_data_parallel": 2, "pipeline_parallel": 2}),
+        "sdp2-dp2-moe-expert-parallel": ("moe-expert-parallel", {"sequence_data_parallel": 2}),
         "sdp4-mamba": ("mamba", {"sequence_data_parallel": 4}),
         "sdp2-stp2-micro4-mamba": (
             "mamba",

@@ -47,7 +47,7 @@ class SequenceData:
     `group`: the sequence-data-parallel group whose ranks hold the other slices of this step, at the same time
     (None: no other rank; a micro-sequence chunk run in one process). `rank`: this slice's index in the group (0
     with group None). `size`: the slices of the group (1 with group None). The slices of a group are consecutive
-    tokens, in rank order.
+    tokens of equal lengths, in rank order.
     """
 
     group: ProcessGroup | None = None
