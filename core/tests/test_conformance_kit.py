@@ -547,7 +547,7 @@ def test_check_forward_slices_and_sequence_data_parallel_refuse_what_they_cannot
     layer = build_layer(PreviousTokenConfig(channels=8))
     with pytest.raises(ValueError, match=r"slices of 5 tokens do not divide the 12 tokens of documents \[5, 1, 6\]"):
         check_forward_slices(layer, lengths=[5, 1, 6], slice_length=5, tolerance={"atol": 1e-5})
-    with pytest.raises(ValueError, match="12 tokens do not split into slices over 2 ranks with micro-sequences of 5"):
+    with pytest.raises(ValueError, match="12 tokens does not split into slices of 5 tokens over 2 sequence-data-par"):
         check_sequence_data_parallel(PreviousTokenConfig, {}, lengths=(5, 1, 6), micro_sequence_lengths=(5,))
     with pytest.raises(ConformanceError, match="case 'plain': NoSlicesConfig does not declare sequence_data_parallel"):
         check_sequence_data_parallel(MixerConfig, {"plain": {"type": "kittest.no_slices"}}, lengths=(5, 1, 6))

@@ -75,6 +75,7 @@ _LAZY = {
     "Batch": "blockzoo.layers.base",
     "SequenceData": "blockzoo.layers.base",
     "slice_batch": "blockzoo.layers.base",
+    "slice_ranges": "blockzoo.layers.base",
     "Layer": "blockzoo.layers.base",
     "Mixer": "blockzoo.layers.base",
     "MLP": "blockzoo.layers.base",

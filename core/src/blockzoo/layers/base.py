@@ -26,9 +26,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.distributed.sequence import sum_over_slices
 from blockzoo.layers.dims import TensorDim
 
 IGNORE_INDEX = -100  # The label of a token with no target (its next token is in another document, or absent).
+# A statistics loss of a slice (`Batch.add_statistics_loss`): its statistics, and the loss as a function of their sums.
+StatisticsLoss = tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], torch.Tensor]]
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -117,8 +120,7 @@ class Batch:
         # Losses layers add during the forward pass (MoE auxiliary losses...), named per layer.
         self.losses: dict[str, torch.Tensor] = {}
         # On a slice: the statistics of the losses that are functions of sums over all the sequence's tokens.
-        self.statistics: dict[str, tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], torch.Tensor]]]
-        self.statistics = {}
+        self.statistics: dict[str, StatisticsLoss] = {}
         self._preprocessed: dict[Hashable, Any] = {}
 
     @classmethod
@@ -191,6 +193,23 @@ def slice_lengths(lengths: Sequence[int], start: int, stop: int) -> tuple[list[i
     return pieces, offsets
 
 
+def slice_ranges(tokens: int, ranks: int, rank: int, length: int | None = None) -> list[tuple[int, int]]:
+    """The token ranges [start, stop) that sequence-data rank `rank` of `ranks` runs, in order, of a micro-batch of
+    `tokens` tokens, in chunks of `length` tokens (micro-sequences; default: the whole share, tokens / ranks).
+
+    At step c the ranks' chunks are tokens [c·N·L, (c+1)·N·L), rank s taking [(c·N + s)·L, (c·N + s + 1)·L): the
+    slices of a step are consecutive, so each step carries to the next the state after its last slice. Without
+    micro-sequences rank s holds [s·T/N, (s+1)·T/N)."""
+    length = length or tokens // ranks
+    if length < 1 or tokens % (ranks * length):
+        raise ValueError(
+            f"a micro-batch of {tokens} tokens does not split into slices of {length} tokens over {ranks} "
+            "sequence-data-parallel ranks"
+        )
+    starts = [(step * ranks + rank) * length for step in range(tokens // (ranks * length))]
+    return [(start, start + length) for start in starts]
+
+
 def slice_batch(
     lengths: Sequence[int] | torch.Tensor,
     start: int,
@@ -214,8 +233,6 @@ def slice_losses(slices: Sequence[Batch], names: Sequence[str] | None = None) ->
     computed from its statistics summed so (`Batch.add_statistics_loss`). The same on every rank of the group; each
     rank's objective holds them once, their gradients reaching every rank's own tokens (`sum_over_slices`).
     `names`: only these (default: all that the first slice holds)."""
-    from blockzoo.distributed.sequence import sum_over_slices
-
     first = slices[0]
     group = first.sequence_data.group
     wanted = [*first.losses, *first.statistics] if names is None else list(names)
@@ -229,8 +246,7 @@ def slice_losses(slices: Sequence[Batch], names: Sequence[str] | None = None) ->
         if name in first.losses:
             losses[name] = sum_over_slices(sum(batch.losses[name] for batch in slices), group)
             continue
-        compute = first.statistics[name][1]
-        keys = first.statistics[name][0]
+        keys, compute = first.statistics[name]
         summed = {key: sum(batch.statistics[name][0][key] for batch in slices) for key in keys}
         # One collective for all the statistics of the loss.
         flat = sum_over_slices(torch.cat([value.float().reshape(-1) for value in summed.values()]), group)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from blockzoo.config import Config, ConfigError, structure, to_dict
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import Batch, Layer, SequenceData
+from blockzoo.layers.base import Batch, Layer, SequenceData, slice_ranges
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, SEQUENCE_TENSOR_PARALLEL, TENSOR_PARALLEL
 from blockzoo.plugins import get_registry
 from blockzoo.testing.distributed import run_distributed
@@ -322,11 +322,7 @@ def check_sequence_data_parallel(
     tokens = sum(lengths)
     problems, checked = [], []
     for length in micro_sequence_lengths:
-        if tokens % (sequence_data_parallel * (length or 1)):
-            raise ValueError(
-                f"{tokens} tokens do not split into slices over {sequence_data_parallel} ranks with micro-sequences "
-                f"of {length}"
-            )
+        slice_ranges(tokens, sequence_data_parallel, 0, length)  # a ValueError if they do not split
     for name, case in cases.items():
         if not isinstance(case, Config):
             try:
@@ -396,9 +392,7 @@ def _check_sequence_parallel(job: _SequenceJob) -> None:
             reference = _build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
             expected = _run_whole(reference, hidden, weights, job.lengths)
             for length in job.micro_sequence_lengths:
-                chunk = length or tokens // job.size
-                starts = [(step * job.size + rank) * chunk for step in range(tokens // (job.size * chunk))]
-                ranges = [(start, start + chunk) for start in starts]
+                ranges = slice_ranges(tokens, job.size, rank, length)
                 label = f"{case.name}: sequence_data_parallel={job.size}"
                 label += f", micro_sequence_length={length}" if length else ""
                 problems += _sliced_problems(

@@ -21,7 +21,7 @@ import torch
 
 from blockzoo.data.dataset import MicroBatch
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import IGNORE_INDEX, Batch, SequenceData, slice_batch, to_device
+from blockzoo.layers.base import IGNORE_INDEX, Batch, SequenceData, slice_batch, slice_ranges, to_device
 
 
 @attrs.frozen
@@ -51,22 +51,12 @@ class StepData:
 
 
 def own_slices(tokens: int, distributed: Distributed) -> list[tuple[int, int]]:
-    """The token ranges [start, stop) of a micro-batch of `tokens` tokens this rank runs, in order.
-
-    Sequence-data rank s of N with chunks of L tokens (`micro_sequence_length`; default the whole share T / N) runs,
-    at step c, tokens [(c·N + s)·L, (c·N + s + 1)·L): the N ranks' slices of a step are consecutive, so each step
-    carries to the next the state after its last slice. Without micro-sequences rank s holds [s·T/N, (s+1)·T/N).
-    """
+    """The token ranges [start, stop) of a micro-batch of `tokens` tokens this rank runs, in order (`slice_ranges`:
+    step c of N sequence-data ranks with chunks of L = `micro_sequence_length` covers [c·N·L, (c+1)·N·L))."""
     config = distributed.config
-    ranks, rank = config.sequence_data_parallel, distributed.sequence_data_rank
-    length = config.micro_sequence_length or tokens // ranks
-    if tokens % (ranks * length):
-        raise ValueError(
-            f"a micro-batch of {tokens} tokens does not split into slices of {length} tokens over {ranks} "
-            "sequence-data-parallel ranks"
-        )
-    starts = [(step * ranks + rank) * length for step in range(tokens // (ranks * length))]
-    return [(start, start + length) for start in starts]
+    return slice_ranges(
+        tokens, config.sequence_data_parallel, distributed.sequence_data_rank, config.micro_sequence_length
+    )
 
 
 def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicroBatch:
