@@ -315,3 +315,48 @@ def _references(world_size: int, root: Path) -> dict:
 def test_sequence_data_parallel_matches_the_single_process_run(world_size, tmp_path):
     references = _references(world_size, tmp_path)
     run_distributed(world_size, _check_layouts, world_size, references, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# On two GPUs
+
+# bf16 compute on CUDA (the GPU kernels: varlen attention, the Triton convolution and scans); the layouts sum in
+# other orders than one GPU, at bf16's resolution.
+GPU_TOLERANCE = {"rtol": 2e-2, "atol": 1e-3}
+GPU_LAYOUTS = {
+    "sdp2": {"sequence_data_parallel": 2},
+    "sdp2-micro8": {"sequence_data_parallel": 2, "micro_sequence_length": 8},
+}
+GPU_MODELS = ["attention", "shortconv", *(["mamba"] if "mamba" in MODELS else [])]
+
+
+def _gpu_settings(**settings) -> dict:
+    return {"backend": "nccl", "compute_dtype": "bf16", **settings}
+
+
+def _check_gpu_layouts(references: dict, root: str) -> None:
+    with Distributed(DistributedConfig(seed=SEED, timeout=120, backend="nccl")):
+        for model in GPU_MODELS:
+            for label, settings in GPU_LAYOUTS.items():
+                run_config = _run_config(model, Path(root) / f"{model}-{label}", 1, **_gpu_settings(**settings))
+                trainer = Trainer(run_config, distributed=Distributed(run_config.distributed), log=lambda _: None)
+                trainer.run()
+                for step, (record, expected) in enumerate(zip(_history(trainer), references[model], strict=True)):
+                    message = f"{model} {label} on 2 GPUs, step {step + 1}"
+                    torch.testing.assert_close(record["loss"], expected["loss"], **GPU_TOLERANCE, msg=message)
+                    torch.testing.assert_close(record["norm"], expected["norm"], **GPU_TOLERANCE, msg=message)
+                dist.barrier()
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_sequence_data_parallel_on_two_gpus_matches_one(tmp_path):
+    references = {}
+    for model in GPU_MODELS:
+        run_config = _run_config(model, tmp_path / f"one-gpu-{model}", 1, **_gpu_settings())
+        trainer = Trainer(run_config, log=lambda _: None)
+        trainer.run()
+        references[model] = _history(trainer)
+        trainer.close()
+    run_distributed(2, _check_gpu_layouts, references, str(tmp_path))
