@@ -103,11 +103,15 @@ BAD_CONFIGS = {
         ["model.decoder.pattern.1", "no block named 'ssm'", "defined: attn"],
     ),
     "unknown key": (["model.decoder.block.mlp.intermediate=12"], ["model.decoder.block.mlp", "intermediate"]),
-    # The only capability the first-party layers lack (attention: sequence-data-parallel) is refused earlier, by
-    # the distributed config, as not implemented.
+    # Attention over slices of sequences must be causal (a token would see later slices); 64 tokens do not split
+    # over 3 sequence-data ranks.
     "sequence-data-parallel": (
-        ["distributed.sequence_data_parallel=2"],
-        ["distributed.sequence_data_parallel", "not implemented"],
+        ["distributed.sequence_data_parallel=2", "model.decoder.block.mixer.causal=false"],
+        ["model.decoder.block.mixer.causal", "must be causal"],
+    ),
+    "sequence-data-parallel split": (
+        ["distributed.sequence_data_parallel=3"],
+        ["data.micro_batch_size", "64 tokens cannot be split between 3 sequence-data-parallel ranks"],
     ),
 }
 

@@ -7,7 +7,7 @@ import pytest
 
 from blockzoo.api import MixerConfig, NormalizationConfig, PluginInfo, configclass, hookimpl
 from blockzoo.config import UnknownTypeError
-from blockzoo.plugins import PluginRecord, Registry
+from blockzoo.plugins import PLUGIN_API, PluginRecord, Registry
 
 
 @configclass
@@ -126,7 +126,7 @@ def test_plugin_api_version_handshake():
     other = load(registry, "old", "blockzoo-old", plugin_info=lambda: PluginInfo(api_version=(0, 3)))
     fine = load(registry, "fine", "blockzoo-fine", plugin_info=lambda: PluginInfo(api_version=(1, 0)))
     assert newer.status == other.status == "incompatible"
-    assert newer.error == "written for plugin API 1.99; this blockzoo provides 1.0"
+    assert newer.error == f"written for plugin API 1.99; this blockzoo provides {PLUGIN_API[0]}.{PLUGIN_API[1]}"
     assert fine.status == "loaded"
     bad = load(registry, "bad", "blockzoo-bad", plugin_info=lambda: {"api_version": "1.0"})
     assert bad.status == "failed" and "must return blockzoo.api.PluginInfo" in bad.error
