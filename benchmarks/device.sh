@@ -108,7 +108,7 @@ if [[ -n $GPU_TESTS ]]; then
   echo "# pytest -m gpu $GPU_TESTS: up to $limit s"
   # shellcheck disable=SC2086
   timeout --signal=INT --kill-after=20 "$limit" \
-    python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 0 $GPU_TESTS >"$OUT/gpu-tests.log" 2>&1
+    python3 -m pytest -m gpu -q -rfEs --tb=short --durations=20 -p no:cacheprovider -n 0 $GPU_TESTS >"$OUT/gpu-tests.log" 2>&1
   echo "# gpu tests: exit $?"
 fi
 
