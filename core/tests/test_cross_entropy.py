@@ -239,7 +239,7 @@ def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory(monke
         torch.testing.assert_close(loss, expected_loss, rtol=1e-3, atol=0)
         for grad, expected in ((grad_hidden, expected_hidden), (grad_weight, expected_weight)):
             scale = float(expected.abs().max())
-            torch.testing.assert_close(grad.float(), expected, rtol=2e-2, atol=2e-2 * scale)
+            torch.testing.assert_close(grad.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
         assert peak < 0.5 * materialized_peak, (peak, materialized_peak)
     print(
         f"\nhead of {tokens} tokens x {hidden_size} -> {vocab}, forward + backward:"

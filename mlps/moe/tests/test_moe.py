@@ -641,5 +641,7 @@ def test_the_compiled_pieces_equal_the_eager_ones(monkeypatch):
         output = model(inputs, Batch([96], device="cuda"))
         output.float().square().sum().backward()
         results.append([output.float(), inputs.grad.float(), *(p.grad.float() for p in model.parameters())])
+    # bf16 sums of several expert outputs that may cancel: the error is relative to the terms, so the absolute
+    # tolerance is scaled by each tensor's largest entry.
     for compiled, eager in zip(*results, strict=True):
-        torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(compiled, eager, atol=2e-2 * float(eager.abs().max()), rtol=2e-2)

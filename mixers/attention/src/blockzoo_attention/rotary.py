@@ -8,6 +8,7 @@ computed once per distinct (config, head_size) through `Batch.preprocessed`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -75,16 +76,24 @@ def frequencies(config: RotaryConfig, head_size: int) -> tuple[torch.Tensor, flo
     return None if implementation is None else implementation(config, head_size)
 
 
+@functools.lru_cache(maxsize=64)
+def _frequencies_on(config: RotaryConfig, head_size: int, device: torch.device) -> tuple[torch.Tensor, float] | None:
+    """`frequencies` copied to the device once: a copy from pageable host memory in every step would make the host
+    wait for the device."""
+    found = frequencies(config, head_size)
+    return None if found is None else (found[0].to(device), found[1])
+
+
 def rotary_tables(config: RotaryConfig, head_size: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos and sin, `[tokens, head_size]` in fp32, at the batch's positions; None without rotary embedding."""
 
     def compute() -> tuple[torch.Tensor, torch.Tensor] | None:
-        found = frequencies(config, head_size)
+        found = _frequencies_on(config, head_size, batch.device)
         if found is None:
             return None
         inverse_frequencies, attention_factor = found
         # float64 angles: positions in the hundreds of thousands keep their precision.
-        angles = batch.positions.to(torch.float64)[:, None] * inverse_frequencies.to(batch.device)[None, :]
+        angles = batch.positions.to(torch.float64)[:, None] * inverse_frequencies[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
 
