@@ -92,6 +92,8 @@ def template(session: nox.Session) -> None:
             session.install(f"{project}[test]")  # as a user installs it (not editable)
             with session.chdir(project):
                 session.run("pytest", "-n", "auto", "tests", *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
+        # Two generated plugins' tests in one session (as a monorepo or `tests(all)` runs them): no file-name clash.
+        session.run("pytest", "--collect-only", "-q", *(str(root / kind / "tests") for kind in kinds))
     finally:
         # The reused environment must not keep plugins of a template that may change before the next run.
         session.run("python", "-m", "pip", "uninstall", "--yes", *(f"blockzoo-template-{kind}" for kind in kinds))
