@@ -411,7 +411,8 @@ BROKEN = [
     (
         "constant_flops",
         "test_flops_are_reported_and_scale_with_tokens",
-        r"flops of the batch with every document twice is \(100, 200\), expected exactly twice \(100, 200\)",
+        r"flops\(batch\) is \(100, 200\) for the test batch and \(100, 200\) for the batch with every document twice, "
+        r"expected exactly \(200, 400\)",
     ),
     (
         "forgetful",

@@ -132,6 +132,22 @@ def test_plugin_api_version_handshake():
     assert bad.status == "failed" and "must return blockzoo.api.PluginInfo" in bad.error
 
 
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"api_version": "1.0"}, "PluginInfo(api_version='1.0'): give (major, minor) as two ints, e.g. api_version="),
+        ({"api_version": (1,)}, "PluginInfo(api_version=(1,)): give (major, minor) as two ints"),
+        ({"api_version": (1, 0.5)}, "PluginInfo(api_version=(1, 0.5)): give (major, minor) as two ints"),
+        ({"capabilities": "tensor_parallel"}, "PluginInfo(capabilities='tensor_parallel'): give a tuple of"),
+    ],
+)
+def test_a_malformed_plugin_info_fails_the_plugin_with_what_to_write(fields, expected):
+    registry = Registry()
+    record = load(registry, "odd", "blockzoo-odd", plugin_info=lambda: PluginInfo(**fields))
+    assert record.status == "failed" and expected in record.error, record.error
+    assert "..." not in record.error
+
+
 def test_broken_hooks_fail_the_plugin_not_the_host():
     registry = Registry()
 

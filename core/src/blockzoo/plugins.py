@@ -106,10 +106,28 @@ class HookSpecs:
         """Problems with the environment (missing kernels, no GPU, ...); empty or None when all is well."""
 
 
+def _check_api_version(_: Any, __: Any, value: Any) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and all(type(part) is int and part >= 0 for part in value)):
+        raise ValueError(
+            f"PluginInfo(api_version={value!r}): give (major, minor) as two ints, e.g. api_version={PLUGIN_API!r}"
+        )
+
+
+def _check_capabilities(_: Any, __: Any, value: Any) -> None:
+    if not (isinstance(value, tuple) and all(isinstance(name, str) for name in value)):
+        raise ValueError(
+            f"PluginInfo(capabilities={value!r}): give a tuple of capability names, e.g. "
+            'capabilities=("sequence_data_parallel",)'
+        )
+
+
 @attrs.frozen(kw_only=True)
 class PluginInfo:
-    api_version: tuple[int, int] = PLUGIN_API
-    capabilities: tuple[str, ...] = ()
+    """What a plugin says about itself (its `plugin_info` hook): the plugin API version it was written for
+    (`(major, minor)`), its capabilities and a one-line description."""
+
+    api_version: tuple[int, int] = attrs.field(default=PLUGIN_API, validator=_check_api_version)
+    capabilities: tuple[str, ...] = attrs.field(default=(), validator=_check_capabilities)
     description: str = ""
 
 

@@ -489,8 +489,9 @@ class LayerConformance:
             )
         if twice != (2 * once[0], 2 * once[1]):
             _fail(
-                f"flops of the batch with every document twice is {twice}, expected exactly twice {once}: count the "
-                "whole batch (every document, every tensor-parallel rank together) from batch.lengths"
+                f"flops(batch) is {once} for the test batch and {twice} for the batch with every document twice, "
+                f"expected exactly {(2 * once[0], 2 * once[1])}: count the whole batch (every document, every "
+                "tensor-parallel rank together) from batch.lengths"
             )
         short, long = layer.flops(Batch([4])), layer.flops(Batch([8]))
         if not (long[0] > short[0] and long[1] > short[1]):
