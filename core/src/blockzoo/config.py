@@ -11,6 +11,7 @@ This module imports no torch: configs must stay cheap to load (CLI, `blockzoo pl
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import math
 import typing
@@ -63,11 +64,17 @@ def configclass(cls: type[ConfigT]) -> type[ConfigT]:
     return attrs.frozen(kw_only=True)(cls)
 
 
-def field(default: Any = attrs.NOTHING, *, doc: str = "", factory: Any = None, validator: Any = None) -> Any:
-    """An attrs field with a doc string, used by the config reference."""
+def field(
+    default: Any = attrs.NOTHING, *, doc: str = "", factory: Any = None, validator: Any = None, infinite: bool = False
+) -> Any:
+    """An attrs field with a doc string, used by the config reference.
+
+    Numbers in a config are finite: `infinite=True` lets this field's floats be `.inf` / `-.inf` (say what it means
+    in `doc`); NaN is refused everywhere."""
+    metadata = {"doc": doc, "infinite": infinite}
     if factory is not None:
-        return attrs.field(factory=factory, validator=validator, metadata={"doc": doc})
-    return attrs.field(default=default, validator=validator, metadata={"doc": doc})
+        return attrs.field(factory=factory, validator=validator, metadata=metadata)
+    return attrs.field(default=default, validator=validator, metadata=metadata)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -132,24 +139,49 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+# Integers are 64-bit, what torch indexes with: a larger value cannot be a size, a count or a seed.
+INT_MAX = 2**63 - 1
+INT_MIN = -(2**63)
+# A float is taken as an int only when it is a whole number that a float holds exactly (4.0, not 2.5 or 1e30).
+_EXACT_FLOAT_INT = 2**53
+
+# Set while the floats of a field declared `infinite=True` are structured.
+_allow_infinite: contextvars.ContextVar[bool] = contextvars.ContextVar("allow_infinite", default=False)
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 30 else f"a {len(text.lstrip('-'))}-digit integer"
+
+
 def _structure_int(value: Any, _: type) -> int:
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_FLOAT_INT:
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
         raise ValueError(f"expected an integer, got {_describe(value)}")
+    if not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"{_short(value)} does not fit in 64 bits: integers must be between {INT_MIN} and {INT_MAX}")
     return value
 
 
 def _structure_float(value: Any, _: type) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {_describe(value)}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ValueError(f"{_short(value)} is too large for a number") from None
+    elif isinstance(value, str):
         # YAML 1.1 reads `1e-5` (no dot) as a string; accept numeric strings for float fields.
         with contextlib.suppress(ValueError):
-            return float(value)
-    raise ValueError(f"expected a number, got {_describe(value)}")
+            number = float(value)
+    if number is None:
+        raise ValueError(f"expected a number, got {_describe(value)}")
+    if math.isnan(number):
+        raise ValueError(f"expected a number, got {value!r} (not a number)")
+    if math.isinf(number) and not _allow_infinite.get():
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
 
 
 def _structure_bool(value: Any, _: type) -> bool:
@@ -162,6 +194,81 @@ def _structure_str(value: Any, _: type) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {_describe(value)}")
     return value
+
+
+def _key_problem(key: Any) -> str:
+    """Why a mapping key that is not a string is refused (YAML 1.1 reads unquoted `on`, `no`, `1` as bool or int)."""
+    message = f"the key {_describe(key)} is not a string"
+    if isinstance(key, bool):
+        spelled = "on/yes/true" if key else "off/no/false"
+        return f"{message}: YAML reads an unquoted {spelled} as {str(key).lower()}; quote the key ('{spelled[:2]}')"
+    return f"{message}; quote it in YAML ('{key}')"
+
+
+def _noun(annotation: Any) -> str:
+    """What a value of `annotation` is, in words, plural (for "a list of ...")."""
+    if annotation in (str, Path):
+        return "strings"
+    if annotation is int:
+        return "integers"
+    if annotation is float:
+        return "numbers"
+    if annotation is bool:
+        return "booleans (true/false)"
+    if _is_literal(annotation):
+        return "values among " + ", ".join(repr(choice) for choice in typing.get_args(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, Config):
+        return f"{_config_label(annotation).removeprefix('a ')}s (mappings)"
+    return "values"
+
+
+def _structure_items(items: list[tuple[Any, Any, Any]]) -> list[Any]:
+    """Structure (step, value, type) triples; every problem reported at its step, all at once."""
+    results, problems = [], []
+    for step, value, annotation in items:
+        try:
+            results.append(converter.structure(value, annotation))
+        except Exception as error:  # noqa: BLE001 - each reported with its path below
+            _reraise_plugin_error(error)
+            problems += _collect_errors(error, [str(step)])
+    if problems:
+        raise ConfigError(problems)
+    return results
+
+
+def _structure_mapping(value: Any, annotation: Any) -> dict:
+    key_type, value_type = typing.get_args(annotation) or (Any, Any)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping of names to {_noun(value_type)}, got {_describe(value)}")
+    if key_type is str and (bad := [key for key in value if not isinstance(key, str)]):
+        raise ConfigError([(str(key), _key_problem(key)) for key in bad])
+    keys = _structure_items([(key, key, key_type) for key in value])
+    items = _structure_items([(key, item, value_type) for key, item in value.items()])
+    return dict(zip(keys, items))
+
+
+def _structure_list(value: Any, annotation: Any) -> list:
+    (item_type,) = typing.get_args(annotation) or (Any,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of {_noun(item_type)}, got {_describe(value)}")
+    return _structure_items([(index, item, item_type) for index, item in enumerate(value)])
+
+
+def _structure_tuple(value: Any, annotation: Any) -> tuple:
+    item_types = typing.get_args(annotation)
+    if len(item_types) == 2 and item_types[1] is Ellipsis:
+        return tuple(_structure_list(value, list[item_types[0]]))
+    nouns = {_noun(item_type) for item_type in item_types}
+    expected = f"a list of {len(item_types)} {nouns.pop() if len(nouns) == 1 else 'values'}"
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected {expected}, got {_describe(value)}")
+    if len(value) != len(item_types):
+        raise ValueError(f"expected {expected}, got {len(value)}: {value!r}")
+    return tuple(_structure_items([(index, *pair) for index, pair in enumerate(zip(value, item_types))]))
+
+
+def _origin_is(*origins: type) -> Any:
+    return lambda annotation: typing.get_origin(annotation) in origins or annotation in origins
 
 
 def _structure_literal(value: Any, literal: Any) -> Any:
@@ -183,7 +290,12 @@ def _registry() -> Any:
 
 
 def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> Any:
-    structure_fields = cattrs.gen.make_dict_structure_fn(cls, converter)
+    overrides = {
+        attribute.name: cattrs.gen.override(struct_hook=_structure_infinite)
+        for attribute in attrs.fields(cls)
+        if attribute.metadata.get("infinite")
+    }
+    structure_fields = cattrs.gen.make_dict_structure_fn(cls, converter, **overrides)
     polymorphic = issubclass(cls, PolymorphicConfig)
 
     def structure(data: Any, _: type) -> Config:
@@ -191,6 +303,8 @@ def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> A
             return data
         if not isinstance(data, Mapping):
             raise ValueError(f"expected a mapping for {_config_label(cls)}, got {_describe(data)}")
+        if bad := [key for key in data if not isinstance(key, str)]:
+            raise ConfigError([(str(key), _key_problem(key)) for key in bad])
         if polymorphic:
             target = _resolve_type(cls, data.get("type"))
             if target is not cls:
@@ -201,6 +315,14 @@ def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> A
         return instance
 
     return structure
+
+
+def _structure_infinite(value: Any, annotation: Any) -> Any:
+    token = _allow_infinite.set(True)
+    try:
+        return converter.structure(value, annotation)
+    finally:
+        _allow_infinite.reset(token)
 
 
 def _config_label(cls: type) -> str:
@@ -239,6 +361,10 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _structure_str)
     converter.register_structure_hook(Path, lambda value, _: Path(_structure_str(value, str)))
     converter.register_structure_hook_func(_is_literal, _structure_literal)
+    # Containers check their own type first, so a wrong one says what was expected (not "'int' has no attribute").
+    converter.register_structure_hook_func(_origin_is(dict, Mapping), _structure_mapping)
+    converter.register_structure_hook_func(_origin_is(list, Sequence), _structure_list)
+    converter.register_structure_hook_func(_origin_is(tuple), _structure_tuple)
     converter.register_structure_hook_factory(
         lambda cls: isinstance(cls, type) and issubclass(cls, Config) and attrs.has(cls),
         lambda cls: _structure_hook_factory(cls, converter),
@@ -254,15 +380,20 @@ converter = _make_converter()
 
 def structure(data: Any, cls: type[ConfigT], *, source: str | None = None, root: str = "") -> ConfigT:
     """Build a config of class `cls` from plain data (a mapping), or raise ConfigError listing every problem."""
-    from blockzoo.plugins import PluginError  # here: plugins imports this module
-
     try:
         return converter.structure(data, cls)
     except Exception as error:
-        if plugin_error := _find(error, PluginError):
-            raise plugin_error from None  # not a problem of this config: plugins did not load (strict mode)
+        _reraise_plugin_error(error)
         problems = list(_collect_errors(error, [root] if root else []))
         raise ConfigError(problems, source) from error
+
+
+def _reraise_plugin_error(error: BaseException) -> None:
+    """A plugin that did not load (strict mode) is not a problem of this config: raise it as it is."""
+    from blockzoo.plugins import PluginError  # here: plugins imports this module
+
+    if plugin_error := _find(error, PluginError):
+        raise plugin_error from None
 
 
 def _find(error: BaseException, kind: type[BaseException]) -> BaseException | None:
@@ -292,8 +423,8 @@ def _collect_errors(error: BaseException, path: list[str]) -> typing.Iterator[tu
         known = [f.name for f in attrs.fields(error.cl)]
         if issubclass(error.cl, PolymorphicConfig):
             known = ["type", *known]
-        for key in sorted(error.extra_fields):
-            hint = difflib.get_close_matches(key, known, n=1)
+        for key in sorted(error.extra_fields, key=str):
+            hint = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
             yield _join([*path, key]), f"unknown key{suggestion} (valid keys: {', '.join(known)})"
     elif isinstance(error, ConfigFieldError):

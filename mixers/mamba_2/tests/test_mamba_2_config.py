@@ -63,7 +63,7 @@ def test_conv_bias_does_not_follow_add_linear_biases():
         ({"convolution": {"kernel_size": 0}}, "convolution.kernel_size: must be >= 1, got 0"),
         ({"dt_limit": [0.5, 0.1]}, r"dt_limit: must be \[min, max\] with 0 <= min < max, got \[0.5, 0.1\]"),
         ({"dt_limit": [-1, 1]}, r"dt_limit: must be \[min, max\] with 0 <= min < max"),
-        ({"dt_limit": [0.1]}, "dt_limit: Not enough values"),
+        ({"dt_limit": [0.1]}, "dt_limit: expected a list of 2 numbers, got 1"),
         ({"normalization": {"epsilon": -1}}, "normalization.epsilon: must be >= 0"),
         ({"x": {"bias": {"enabled": True}}}, r"x.bias.enabled: z, x, b, c and dt are one fused in_proj weight"),
         ({"add_linear_biases": True, "dt": {"bias": {"enabled": False}}}, "dt.bias.enabled: z, x, b, c and dt are one"),

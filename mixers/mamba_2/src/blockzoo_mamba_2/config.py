@@ -105,7 +105,9 @@ class Mamba2Config(MixerConfig):
     )
     dt_limit: tuple[float, float] = field(
         (0.0, math.inf),
-        doc="[min, max]: softplus(dt + dt_bias) is clamped to it (mamba_ssm `dt_limit`, HF `time_step_limit`).",
+        doc="[min, max]: softplus(dt + dt_bias) is clamped to it (mamba_ssm `dt_limit`, HF `time_step_limit`); max "
+        "may be `.inf` (no upper clamp).",
+        infinite=True,
     )
     a_log: ParameterConfig = field(
         factory=ParameterConfig,
