@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.distributed.sequence import sum_over_slices
+from blockzoo.layers.config import GENERATION_CACHE
 from blockzoo.layers.dims import TensorDim
 
 IGNORE_INDEX = -100  # The label of a token with no target (its next token is in another document, or absent).
@@ -271,11 +272,25 @@ class Layer(nn.Module):
         self.lr_scale = lr_scale
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{self._type_name()} does not implement forward(hidden, batch, state=None)")
 
     def flops(self, batch: Batch) -> tuple[int, int]:
         """(forward, backward) floating-point operations over the whole batch, all ranks together."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{self._type_name()} does not implement flops(batch) -> (forward, backward): training reports MFU from "
+            "it (docs/plugins/write-a-mixer.md, FLOPs)"
+        )
+
+    _kind = "layer"
+
+    def _type_name(self) -> str:
+        """`mixer type 'name'` (MLP, layer) as configs write it (the class name for a config no plugin registered)."""
+        from blockzoo.plugins import get_registry
+
+        registry = get_registry(strict=False)
+        config_class = type(self.config)
+        name = registry.name_of(config_class) if registry.is_registered(config_class) else type(self).__name__
+        return f"{self._kind} type {name!r}"
 
 
 class Mixer(Layer):
@@ -286,8 +301,16 @@ class Mixer(Layer):
     `batch.past_lengths` = tokens already stored for each).
     """
 
+    _kind = "mixer"
+
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} does not support generation")
+        declared = GENERATION_CACHE in getattr(type(self.config), "capabilities", ())
+        raise NotImplementedError(
+            f"{self._type_name()} "
+            + ("declares generation_cache but " if declared else "")
+            + "does not implement new_state(num_sequences, max_length, device, dtype): it cannot generate; implement "
+            "it (and forward with a state) and declare generation_cache on its config"
+        )
 
     def forward_slice(self, hidden: torch.Tensor, batch: Batch, previous: Any) -> tuple[torch.Tensor, Any]:
         """The mixer over one slice of longer sequences: (output, carry).
@@ -304,13 +327,8 @@ class Mixer(Layer):
         every rank.
 
         A mixer that implements it declares the `sequence_data_parallel` capability on its config."""
-        from blockzoo.plugins import get_registry
-
-        registry = get_registry(strict=False)
-        config_class = type(self.config)
-        name = registry.name_of(config_class) if registry.is_registered(config_class) else type(self).__name__
         raise NotImplementedError(
-            f"mixer type {name!r} does not declare sequence_data_parallel: it cannot run slices of sequences "
+            f"{self._type_name()} does not declare sequence_data_parallel: it cannot run slices of sequences "
             "(distributed.sequence_data_parallel, distributed.micro_sequence_length); implement forward_slice and "
             "declare the capability on its config"
         )
@@ -318,3 +336,5 @@ class Mixer(Layer):
 
 class MLP(Layer):
     """Transforms each token independently."""
+
+    _kind = "MLP"
