@@ -213,6 +213,7 @@ def _word_embeddings(**changes) -> dict:
 
 
 FILL_2 = {"initialization": {"type": "fill", "value": 2.0}}
+LORA = {"type": "lora", "rank": 2}  # its fields: tests/test_lora.py (they need the plugins' linears)
 
 MODEL_CONFIG_CLASSES = {
     ModelConfig,
@@ -234,6 +235,7 @@ FIELD_CASES = {
     (ModelConfig, "decoder"): (MODEL, {"decoder": {"num_blocks": 1}}),
     (ModelConfig, "head"): (MODEL, _head_norm(type="none")),
     (ModelConfig, "lr_scale"): (MODEL, {"lr_scale": 0.5}),
+    (ModelConfig, "peft"): (merge(MODEL, _block(mixer={**MIXER, "projection": {"apply_peft": True}})), {"peft": LORA}),
     (EmbeddingsConfig, "vocab_size"): (MODEL, {"embeddings": {"vocab_size": 20}}),
     (EmbeddingsConfig, "word_embeddings"): (MODEL, _word_embeddings(**FILL_2)),
     (EmbeddingsConfig, "position_embeddings"): (MODEL, {"embeddings": {"position_embeddings": True}}),

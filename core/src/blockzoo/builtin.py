@@ -5,6 +5,7 @@ from __future__ import annotations
 from blockzoo import data
 from blockzoo.layers import config as layers
 from blockzoo.model import config as model
+from blockzoo.peft import config as peft
 from blockzoo.plugins import PluginInfo, hookimpl
 from blockzoo.ssm import config as ssm
 from blockzoo.training import config as training
@@ -43,5 +44,6 @@ def register_components(register) -> None:
     register("none", layers.NoNormalizationConfig, "blockzoo.layers.normalization:Identity")
     register("rms_norm", layers.RMSNormalizationConfig, "blockzoo.layers.normalization:RMSNorm")
     register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")
+    register("lora", peft.LoraConfig, "blockzoo.peft.lora:LoraAdapter")
     register("adamw", training.AdamWConfig, "blockzoo.training.optimizer:AdamW")
     data.register(register)

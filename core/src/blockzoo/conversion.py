@@ -19,7 +19,7 @@ A section is data:
   converted by its own section).
 
 Coverage is checked, never assumed: exporting a config, every field that describes the architecture (all but
-`lr_scale`, `initialization`, `weight_decay`, `apply_peft`) must be claimed, and every value the format cannot
+`lr_scale`, `initialization`, `weight_decay`, `apply_peft`, `peft`) must be claimed, and every value the format cannot
 express is an error naming the field; importing, every key of the format's config must be claimed by some section
 of the format (`claimed_keys`), and the converter checks that every tensor is claimed and every parameter made.
 
@@ -42,7 +42,7 @@ from blockzoo.errors import UsageError
 from blockzoo.plugins import ConverterEntry, get_registry
 
 # Fields that set how a model trains, never what it computes: no format holds them.
-TRAINING_FIELDS = frozenset({"lr_scale", "initialization", "weight_decay", "apply_peft"})
+TRAINING_FIELDS = frozenset({"lr_scale", "initialization", "weight_decay", "apply_peft", "peft"})
 
 _REQUIRED = object()
 

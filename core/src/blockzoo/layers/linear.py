@@ -15,6 +15,10 @@
   flagged for a sum over the tensor group.
 
 Activations are packed `[tokens, features]`.
+
+PEFT (`blockzoo.peft`): each component resolves its `apply_peft` from its config or the parent's `default_peft`; an
+adapter, once attached (`adapter`), adds its update where the output is still this rank's own: after the input
+entered the tensor region, or before the row-parallel reduction.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Linear(nn.Module):
         default_initialization: InitializationConfig,
         default_bias: bool = False,
         lr_scale: float = 1.0,
+        default_peft: bool | Sequence[bool] = False,
         inside_tensor_region: bool = False,
         device: torch.device | str | None = None,
     ):
@@ -59,7 +64,8 @@ class Linear(nn.Module):
 
         `config`: one `LinearConfig`, or one per component of a concatenated `output_dim`, each honoured
         for its rows of the weight and bias. `default_bias` is the parent's `add_linear_biases`,
-        `lr_scale` the parent's learning-rate scale. `inside_tensor_region`: a replicated linear whose output
+        `lr_scale` the parent's learning-rate scale, `default_peft` the parent's default `apply_peft` (one, or one per
+        component). `inside_tensor_region`: a replicated linear whose output
         feeds this rank's share of tensor-parallel work (see the module doc). `device="meta"` skips initialization.
         """
         super().__init__()
@@ -78,6 +84,12 @@ class Linear(nn.Module):
         self.inside_tensor_region = inside_tensor_region
         self._tensor_group = distributed.tensor_group
         self._sequence_tensor_parallel = distributed.sequence_tensor_parallel
+        defaults = (default_peft,) * len(configs) if isinstance(default_peft, bool) else tuple(default_peft)
+        if len(defaults) != len(configs):
+            raise ValueError(f"linear {name!r}: {len(defaults)} default_peft values for {len(configs)} components")
+        self.peft_components = tuple(c.use_peft(default) for c, default in zip(configs, defaults))
+        # Set by `blockzoo.peft.apply_peft`: a module whose output is added to this rank's local output.
+        self.adapter: nn.Module | None = None
 
         weight_settings = [c.resolve_weight(initialization=default_initialization, lr_scale=lr_scale) for c in configs]
         self.weight = create_parameter(
@@ -89,6 +101,7 @@ class Linear(nn.Module):
             partial_gradient=inside_tensor_region,
             device=device,
         )
+        self.weight_settings = tuple(weight_settings)
         bias_settings = [c.resolve_bias(enabled=default_bias, lr_scale=lr_scale) for c in configs]
         if len({settings is None for settings in bias_settings}) > 1:
             raise ValueError(f"linear {name!r}: the components must all have a bias or none, got {bias_settings}")
@@ -110,14 +123,28 @@ class Linear(nn.Module):
         # Master weights stay fp32; compute in the activations' dtype.
         weight = self.weight.to(input.dtype)
         bias = None if self.bias is None else self.bias.to(input.dtype)
+        adapter = None if self.adapter is None or self.adapter.merged else self.adapter
         if self.column_parallel or self.inside_tensor_region:
             enter = gather_tokens if self._sequence_tensor_parallel else copy_to_tensor_region
-            return F.linear(enter(input, self._tensor_group), weight, bias)
+            input = enter(input, self._tensor_group)
+            output = F.linear(input, weight, bias)
+            return output if adapter is None else output + adapter(input)
         if self.row_parallel:
             reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
-            output = reduce(F.linear(input, weight), self._tensor_group)
+            partial = F.linear(input, weight)
+            if adapter is not None:  # a partial sum too: the reduction adds the ranks' updates
+                partial = partial + adapter(input)
+            output = reduce(partial, self._tensor_group)
             return output if bias is None else output + bias
-        return F.linear(input, weight, bias)
+        output = F.linear(input, weight, bias)
+        return output if adapter is None else output + adapter(input)
+
+    def output_components(self, tp_size: int) -> tuple[tuple[TensorDim, ...], list[slice]]:
+        """(dims, rows of this rank's local output) of each component: those of a concatenated output dim when the
+        linear has one config per component, else the whole output dim."""
+        if len(self.peft_components) > 1:
+            return self.output_dim.dims, self.output_dim.component_slices(tp_size)
+        return (self.output_dim,), [slice(0, self.output_dim.local_size(tp_size))]
 
     def forward_flops(self, tokens: int) -> int:
         """Floating-point operations of the forward pass over `tokens` tokens, all ranks together."""

@@ -53,6 +53,17 @@ def uninitialized(enabled: bool = True) -> Iterator[None]:
         _initializing.reset(token)
 
 
+@contextlib.contextmanager
+def initialized() -> Iterator[None]:
+    """Parameters made inside are initialized even within `uninitialized()`: the adapters added to a model whose base
+    weights a checkpoint fills (it does not hold them)."""
+    token = _initializing.set(True)
+    try:
+        yield
+    finally:
+        _initializing.reset(token)
+
+
 _on_meta_device = contextvars.ContextVar("blockzoo_parameters_on_meta_device", default=False)
 
 

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from blockzoo.config import Config, ConfigFieldError, PolymorphicConfig, at_least, check, configclass, field, structure
 from blockzoo.layers.config import MixerConfig, MLPConfig, NormalizationConfig, ParameterConfig
+from blockzoo.peft.config import PeftConfig
 
 
 def _default_of(kind_base: type[PolymorphicConfig], path: str):
@@ -120,6 +121,11 @@ class ModelConfig(Config):
     head: HeadConfig = field(factory=HeadConfig, doc="Final norm and output projection.")
     lr_scale: float | None = field(
         None, doc="Learning-rate scale of the whole model; 0 freezes.", validator=at_least(0)
+    )
+    peft: PeftConfig | None = field(
+        None,
+        doc="Fine-tune with this method (`{type: lora, rank, alpha, dropout}`): adapters on every linear whose "
+        "`apply_peft` resolves true (attention's query and value by default), every other weight frozen.",
     )
     pretrained: str | None = field(
         None,

@@ -29,6 +29,7 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel
+from blockzoo.peft.apply import without_adapters
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 
@@ -155,12 +156,14 @@ def pretrained_origin(source: str | Path) -> Origin | None:
 
 
 def load_pretrained_weights(model: LanguageModel, source: str | Path, distributed: Distributed | None = None) -> None:
-    """Fill `model`'s parameters (this rank's shards) from a checkpoint of any format."""
+    """Fill `model`'s parameters (this rank's shards) from a checkpoint of any format (its base weights: the adapters
+    of a fine-tuning model keep their fresh values)."""
     source, distributed = Path(source), distributed or model.distributed
-    if (foreign := _foreign_format(source)) is not None:
-        foreign.load_weights(source, model, distributed)
-    else:
-        load_checkpoint(_checkpoint_directory(source), model=model, distributed=distributed)
+    with without_adapters(model):
+        if (foreign := _foreign_format(source)) is not None:
+            foreign.load_weights(source, model, distributed)
+        else:
+            load_checkpoint(_checkpoint_directory(source), model=model, distributed=distributed)
 
 
 def _load_foreign(foreign: CheckpointFormat, path: Path, distributed: Distributed | None) -> LanguageModel:

@@ -32,6 +32,7 @@ from blockzoo.layers.dims import PaddedTensorDim, TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.block import build_part
 from blockzoo.model.config import EmbeddingsConfig, HeadConfig, ModelConfig
+from blockzoo.peft.apply import apply_peft
 
 
 def own_tokens(tensor: torch.Tensor, distributed: Distributed) -> torch.Tensor:
@@ -211,6 +212,8 @@ class LanguageModel(nn.Module):
             lr_scale=lr_scale,
             tied_weight=self.embeddings.word_embeddings if config.tied_embedding_weight else None,
         )
+        if config.peft is not None:
+            apply_peft(self, config.peft, distributed)
 
     @property
     def vocab_size(self) -> int:

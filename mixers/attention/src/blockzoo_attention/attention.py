@@ -146,12 +146,14 @@ class Attention(Mixer):
             "default_bias": config.add_linear_biases,
             "lr_scale": lr_scale,
         }
-        self.query = Linear(f"{name}.query", config.query, hidden_dim, heads_dim, **linear)
+        # PEFT defaults (LoRA's usual targets): query and value adapted, key and dense not.
+        self.query = Linear(f"{name}.query", config.query, hidden_dim, heads_dim, default_peft=True, **linear)
         self.key_value = Linear(
             f"{name}.key_value",
             (config.key, config.value),
             hidden_dim,
             key_value_dim,
+            default_peft=(False, True),
             inside_tensor_region=not key_value_dim.parallel,
             **linear,
         )

@@ -1,0 +1,203 @@
+"""LoRA through `apply_peft` on the first-party layers and a third-party plugin's: which linears get adapters (parents'
+defaults, overrides, the parts of concatenated linears), that only adapters train (no gradient, no optimizer state
+for the base; lr_scale and weight decay follow the linear), merge and unmerge against the adapters' forward, and the
+refusal of a `peft` that adapts nothing. Against peft + transformers: converters/huggingface/tests/test_lora.py."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import pytest
+import torch
+
+import blockzoo
+from blockzoo.config import ConfigError
+from blockzoo.layers.base import Batch
+from blockzoo.peft.apply import adapters, merge_adapters, unmerge_adapters
+from blockzoo.peft.config import LoraConfig
+from blockzoo.training.config import AdamWConfig
+from blockzoo.training.optimizer import AdamW
+
+VOCAB, LENGTHS = 64, [7, 5]
+LORA = {"type": "lora", "rank": 3, "alpha": 6.0}
+ATTENTION = {"type": "attention", "heads": 4, "head_groups": 2, "head_size": 8}
+MLP = {"type": "mlp", "intermediate_size": 48, "gated": True}
+MAMBA_2 = {"type": "mamba_2", "heads": 2, "head_size": 16, "state_size": 8, "chunk_size": 4}
+SHORTCONV = {"type": "shortconv.gated_conv", "channels": 32, "kernel_size": 3}
+
+
+def model_of(blocks: dict, peft: dict | None = LORA, seed: int = 5):
+    pattern = list(blocks)
+    decoder = {"type": "pattern", "pattern": pattern, "blocks": blocks}
+    model = {"hidden_size": 32, "embeddings": {"vocab_size": VOCAB}, "decoder": decoder}
+    if peft is not None:
+        model["peft"] = peft
+    return blockzoo.build({"model": model, "distributed": {"seed": seed}})
+
+
+def randomize_adapters(model, seed: int = 1) -> None:
+    """B starts at zeros: random, so that the adapters change the output."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, adapter in adapters(model):
+            for b in adapter.lora_b.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
+
+
+def trainable(model) -> set[str]:
+    return {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (sum(LENGTHS),), generator=torch.Generator().manual_seed(3))
+
+
+def test_attention_adapts_query_and_value_by_default_and_mlp_nothing():
+    model = model_of({"attn": {"mixer": ATTENTION, "mlp": MLP}})
+    prefix = "decoder.0.mixer"
+    assert trainable(model) == {
+        f"{prefix}.query.adapter.lora_a.0",
+        f"{prefix}.query.adapter.lora_b.0",
+        f"{prefix}.key_value.adapter.lora_a.1",  # the value part of key‖value only
+        f"{prefix}.key_value.adapter.lora_b.1",
+    }
+    adapter = model.decoder[0].mixer.key_value.adapter
+    assert adapter.lora_a["1"].shape == (3, 32) and adapter.lora_b["1"].shape == (16, 3)  # 2 groups × 8
+
+
+def test_any_linear_overrides_its_parents_default():
+    mixer = {**ATTENTION, "query": {"apply_peft": False}, "key": {"apply_peft": True}, "value": {"apply_peft": False}}
+    mlp = {**MLP, "up": {"apply_peft": True}, "down": {"apply_peft": True}}
+    model = model_of({"attn": {"mixer": mixer, "mlp": mlp}})
+    assert trainable(model) == {
+        f"decoder.0.{name}.adapter.lora_{side}.{component}"
+        for name, component in (("mixer.key_value", 0), ("mlp.gate_up", 1), ("mlp.down", 0))
+        for side in "ab"
+    }
+
+
+def test_a_peft_that_adapts_nothing_is_refused():
+    with pytest.raises(ConfigError, match=r"model\.peft: no linear of the model has apply_peft enabled"):
+        model_of({"ssm": {"mixer": MAMBA_2, "mlp": {"type": "none"}}})
+
+
+def test_mamba_2_adapter_on_z_only_updates_the_z_rows():
+    """in_proj = [z, x, B, C, dt]: with apply_peft on z alone, the update is scale·B A in z's rows, zeros elsewhere."""
+    mixer = {**MAMBA_2, "z": {"apply_peft": True}, "out_proj": {"apply_peft": True}}
+    model = model_of({"ssm": {"mixer": mixer, "mlp": {"type": "none"}}})
+    randomize_adapters(model)
+    in_proj = model.decoder[0].mixer.in_proj
+    assert set(in_proj.adapter.lora_a) == {"0"} and model.decoder[0].mixer.out_proj.adapter is not None
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    z_rows = in_proj.output_dim.dims[0].global_size
+    lora = in_proj.adapter
+    expected = x @ in_proj.weight.T
+    expected[:, :z_rows] += lora.scale * (x @ lora.lora_a["0"].T @ lora.lora_b["0"].T)
+    torch.testing.assert_close(in_proj(x), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_only_adapters_train_with_the_linears_lr_scale_and_weight_decay():
+    mixer = {**ATTENTION, "query": {"lr_scale": 0.5, "weight": {"weight_decay": False}}}
+    model = model_of({"attn": {"mixer": mixer, "mlp": MLP}})
+    randomize_adapters(model)
+    optimizer = AdamW(AdamWConfig(learning_rate=0.01, weight_decay=0.1), model.parameters())
+    groups = {
+        (group["lr"], group["weight_decay"]): {id(parameter) for parameter in group["params"]}
+        for group in optimizer.param_groups
+    }
+    query, key_value = model.decoder[0].mixer.query.adapter, model.decoder[0].mixer.key_value.adapter
+    assert groups == {
+        (0.005, 0.0): {id(p) for p in query.parameters()},
+        (0.01, 0.1): {id(p) for p in key_value.parameters()},
+    }
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    loss, _ = model.loss(tokens(), tokens().roll(-1), Batch(LENGTHS))
+    loss.backward()
+    optimizer.step()
+    for name, parameter in model.named_parameters():
+        changed = not torch.equal(parameter, before[name])
+        assert changed == (".adapter." in name), name
+        assert (parameter in optimizer.state) == (".adapter." in name), name
+
+
+def test_a_third_party_plugins_linears_take_adapters():
+    """The example plugin's gated convolution: its fused input‖gate projection and its output, through their
+    LinearConfig.apply_peft (the plugin's code knows nothing of PEFT); merging gives the adapters' logits."""
+    mixer = {**SHORTCONV, "gate": {"apply_peft": True}, "output": {"apply_peft": True}}
+    model = model_of({"conv": {"mixer": mixer, "mlp": MLP}})
+    assert trainable(model) == {
+        f"decoder.0.mixer.{name}.adapter.lora_{side}.{component}"
+        for name, component in (("in_proj", 1), ("out_proj", 0))
+        for side in "ab"
+    }
+    check_merge(model)
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        {"attn": {"mixer": {**ATTENTION, "dense": {"apply_peft": True}}, "mlp": {**MLP, "gate": {"apply_peft": True}}}},
+        {"ssm": {"mixer": {**MAMBA_2, "x": {"apply_peft": True}, "dt": {"apply_peft": True}}, "mlp": {"type": "none"}}},
+    ],
+    ids=["attention-mlp", "mamba_2"],
+)
+def test_merged_weights_give_the_adapters_logits(blocks):
+    check_merge(model_of(blocks))
+
+
+def check_merge(model) -> None:
+    """Merged: the logits of the adapters (which then add nothing); unmerged: the original weights and logits back."""
+    randomize_adapters(model)
+    model.eval()
+    batch = Batch(LENGTHS)
+    with torch.no_grad():
+        adapted = model.forward_packed(tokens(), batch)
+        weights = {name: parameter.clone() for name, parameter in model.named_parameters()}
+        base = copy.deepcopy(model)
+        for _, adapter in adapters(base):
+            for b in adapter.lora_b.values():
+                b.zero_()
+        assert not torch.allclose(base.forward_packed(tokens(), Batch(LENGTHS)), adapted, atol=1e-3)
+        merge_adapters(model)
+        changed = {name for name, parameter in model.named_parameters() if not torch.equal(parameter, weights[name])}
+        assert changed == {f"{linear.name}.weight" for linear, _ in adapters(model)}
+        torch.testing.assert_close(model.forward_packed(tokens(), Batch(LENGTHS)), adapted, atol=1e-5, rtol=1e-5)
+        unmerge_adapters(model)
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(parameter, weights[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(model.forward_packed(tokens(), Batch(LENGTHS)), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_every_field_of_lora_changes_the_adapters_or_the_outputs():
+    """rank: the adapters' shapes; alpha: the update's scale; dropout: the training forward (not the evaluation one)."""
+    assert {field.name for field in attrs.fields(LoraConfig)} == {"rank", "alpha", "dropout"}
+    blocks = {"attn": {"mixer": ATTENTION, "mlp": MLP}}
+
+    def logits(peft: dict, train: bool = False) -> torch.Tensor:
+        model = model_of(blocks, peft)
+        randomize_adapters(model)
+        model.train(train)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return model.forward_packed(tokens(), Batch(LENGTHS))
+
+    shapes = {p.shape for _, a in adapters(model_of(blocks, {**LORA, "rank": 5})) for p in a.parameters()}
+    assert shapes == {torch.Size([5, 32]), torch.Size([32, 5]), torch.Size([16, 5])}
+    assert not torch.allclose(logits(LORA), logits({**LORA, "alpha": 1.0}), atol=1e-4)
+    dropped = {**LORA, "dropout": 0.5}
+    assert not torch.allclose(logits(LORA, train=True), logits(dropped, train=True), atol=1e-4)
+    torch.testing.assert_close(logits(LORA), logits(dropped), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("peft", "field"),
+    [
+        ({"type": "lora", "rank": 0}, "rank"),
+        ({"type": "lora", "alpha": 0}, "alpha"),
+        ({"type": "lora", "dropout": 1}, "dropout"),
+    ],
+)
+def test_bad_lora_fields_are_refused_by_path(peft, field):
+    with pytest.raises(ConfigError, match=rf"model\.peft\.{field}"):
+        model_of({"attn": {"mixer": ATTENTION, "mlp": MLP}}, peft)
