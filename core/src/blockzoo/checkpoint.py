@@ -23,14 +23,24 @@ stages of a pipeline write their own tensors into the one file (the checkpoint d
 system all writing ranks see, as for any checkpoint of a run over several machines). Rank 0 then writes the YAML
 files and renames the directory, so a crash mid-save leaves the previous checkpoint as it was. Loading, each rank
 takes its own shard of every global tensor, so any parallel layout loads a checkpoint of any other.
+
+Reliability (docs/architecture.md "Checkpoints"): `metadata.yaml` records a checksum of every other file
+(`checksums`, verified on load; older checkpoints without it still load); a tensor is refused when its dtype is not
+the one the model (or optimizer) holds; a non-finite tensor is never saved; the space a checkpoint needs is checked
+before writing; pruning renames a directory to `.<name>.deleting` before removing it, so no half-deleted directory
+looks complete; `latest_checkpoint` skips (and reports) checkpoints that fail verification.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import math
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +59,7 @@ from blockzoo.distributed.data_parallel import shard_like, whole
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.errors import UsageError
 from blockzoo.plugins import get_registry
-from blockzoo.safetensors_io import SafetensorsWriter
+from blockzoo.safetensors_io import DTYPES, SafetensorsWriter
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"
@@ -58,6 +68,12 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 ORIGIN_DIRECTORY = "origin"
 _STEP_DIRECTORY = re.compile(r"step_(\d+)")
+# The SHA-256 of the concatenated SHA-256 digests of the file's 16 MiB chunks: hashed by several threads at once
+# (hashlib releases the GIL), about 0.25 s for 500 MB on 2 cores.
+CHECKSUM_ALGORITHM = "sha256-16MiB-chunks"
+_CHUNK = 16 * 2**20
+# Room for headers, YAML files and the file system's own blocks, beyond the tensors' bytes.
+_SPACE_MARGIN = 4 * 2**20
 
 
 class CheckpointError(UsageError):
@@ -84,6 +100,8 @@ def save_checkpoint(
     data_state: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     origin: Origin | None = None,
+    keep: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it.
 
@@ -94,45 +112,52 @@ def save_checkpoint(
 
     `data_state` is the data position, `extra` any other trainer state: plain YAML data (numbers, strings,
     lists, mappings, bytes); `origin`, the files of the checkpoint the model was imported from, copied into
-    `origin/`. An existing checkpoint at `directory` is replaced only once the new one is complete.
+    `origin/`. An existing checkpoint at `directory` is replaced only once the new one is complete; a `directory`
+    that is not a checkpoint is moved aside (to `<name>.not-a-checkpoint`), never replaced.
+
+    Before writing, rank 0 checks that the file system has room for the checkpoint; with `keep` (the run's
+    `checkpoint_keep`) and too little room, it first prunes the oldest `step_<N>` siblings the pruning after the save
+    would remove anyway (down to `keep - 1`, never fewer than one). No room: a `CheckpointError` naming the directory
+    and the space needed. A tensor with a non-finite value is refused (`CheckpointError`), so no checkpoint with one is
+    ever written. `log` (rank 0) hears of what was moved aside or pruned early.
     """
     directory = Path(directory)
+    log = log or (lambda _: None)
     files = [MODEL_FILE] if optimizer is None else [MODEL_FILE, OPTIMIZER_FILE]
     files += [f"{ORIGIN_DIRECTORY}/{name}" for name in (origin.files if origin else ())]
-    # Built on every rank before any collective, so that bad trainer state fails everywhere alike.
-    metadata = _yaml_text(
-        {
-            "format_version": FORMAT_VERSION,
-            "blockzoo_version": __version__,
-            "step": step,
-            "plugins": _plugins_used(run_config),
-            "data": dict(data_state or {}),
-            "extra": dict(extra or {}),
-            "files": files,
-        },
-        "the checkpoint metadata (data_state, extra)",
-    )
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "blockzoo_version": __version__,
+        "step": step,
+        "plugins": _plugins_used(run_config),
+        "data": dict(data_state or {}),
+        "extra": dict(extra or {}),
+        "files": files,
+    }
+    # Checked on every rank before any collective, so that bad trainer state fails everywhere alike.
+    _yaml_text(metadata, "the checkpoint metadata (data_state, extra)")
     config = to_yaml(run_config)
     tensors = {MODEL_FILE: dict(_weights_of(model))}
     if optimizer is not None:
         tensors[OPTIMIZER_FILE] = dict(_optimizer_state_of(directory, model, optimizer))
     layouts = {file: _layout(entries, distributed) for file, entries in tensors.items()}
+    needed = _space_needed(layouts, config, origin)
     temporary = directory.parent / f".{directory.name}.partial"
     failure: BaseException | None = None
     if distributed.rank == 0:
         try:
-            _prepare(directory, temporary)
+            _prepare(directory, temporary, needed=needed, keep=keep, log=log)
         except BaseException as error:  # noqa: BLE001 - the other ranks must hear of it before it is raised
             failure = error
-    _agree(distributed, failure, directory)
-    failure = _stream(temporary, tensors, layouts, distributed)
-    _agree(distributed, failure, directory, cleanup=temporary)
+    _agree(distributed, failure, directory, needed=needed)
+    failure = _stream(directory, temporary, tensors, layouts, distributed)
+    _agree(distributed, failure, directory, cleanup=temporary, needed=needed)
     if distributed.rank == 0:
         try:
             _finish(directory, temporary, config=config, metadata=metadata, origin=origin)
         except BaseException as error:  # noqa: BLE001
             failure = error
-    _agree(distributed, failure, directory, cleanup=temporary)
+    _agree(distributed, failure, directory, cleanup=temporary, needed=needed)
     return directory
 
 
@@ -188,18 +213,72 @@ def _layout(entries: Mapping[str, _Entry], distributed: Distributed) -> _Layout:
     return _Layout(tensors, frozenset(writes))
 
 
-def _prepare(directory: Path, temporary: Path) -> None:
+def _space_needed(layouts: Mapping[str, _Layout], config: str, origin: Origin | None) -> int:
+    """Bytes the checkpoint takes on disk (the tensors' bytes are known from the layouts), with a margin."""
+    tensors = sum(
+        math.prod(shape) * dtype.itemsize for layout in layouts.values() for dtype, shape in layout.tensors.values()
+    )
+    origin_files = sum(path.stat().st_size for path in origin.paths() if path.is_file()) if origin else 0
+    return tensors + len(config) + origin_files + _SPACE_MARGIN
+
+
+def _prepare(directory: Path, temporary: Path, *, needed: int, keep: int | None, log: Callable[[str], None]) -> None:
     if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
-        raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
+        if not _STEP_DIRECTORY.fullmatch(directory.name):
+            raise CheckpointError(directory, "exists and is not a checkpoint; refusing to replace it")
+        # A run's own step directory (a save interrupted before `_replace`, a hand edit): kept, but out of the way.
+        aside = _free_name(directory.parent / f"{directory.name}.not-a-checkpoint")
+        directory.rename(aside)
+        log(f"{directory} exists and is not a checkpoint (no {METADATA_FILE}): moved it aside to {aside}")
     directory.parent.mkdir(parents=True, exist_ok=True)
     if temporary.exists():  # Left by a save that crashed.
         shutil.rmtree(temporary)
+    _make_room(directory, needed, keep, log)
     temporary.mkdir()
-    for file in (MODEL_FILE, OPTIMIZER_FILE):
-        (temporary / file).unlink(missing_ok=True)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ...: the first that does not exist."""
+    candidate, number = path, 0
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
+
+
+def _make_room(directory: Path, needed: int, keep: int | None, log: Callable[[str], None]) -> None:
+    """Raise unless the file system of `directory` has `needed` bytes free; with `keep`, prune the oldest `step_<N>`
+    siblings first, down to `keep - 1` (the save and the pruning after it leave `keep`), never below one."""
+    root = directory.parent
+    free = shutil.disk_usage(root).free
+    if free >= needed:
+        return
+    others = [path for _, path in _step_directories(root) if path != directory]
+    while keep is not None and free < needed and len(others) > max(keep - 1, 1):
+        oldest = others.pop(0)
+        _remove(oldest)
+        log(f"pruned {oldest} before saving {directory.name}: {_size(free)} free, the checkpoint needs {_size(needed)}")
+        free = shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointError(directory, _no_space(root, needed, free))
+
+
+def _no_space(root: Path, needed: int, free: int | None = None) -> str:
+    """The message of a full disk: before writing (`free` known), or found while writing (free: now)."""
+    what = "not enough disk space to save the checkpoint" if free is not None else "the disk filled up while saving"
+    free = shutil.disk_usage(root).free if free is None else free
+    return (
+        f"{what}: it needs about {_size(needed)}, {_size(free)} are free on the file system of {root} (free some "
+        "space, or lower training.checkpoint_keep)"
+    )
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
 
 
 def _stream(
+    directory: Path,
     temporary: Path,
     tensors: Mapping[str, Mapping[str, _Entry]],
     layouts: Mapping[str, _Layout],
@@ -227,6 +306,11 @@ def _stream(
             tensor = _to_global(value, parameter, distributed)
             if failure is None and name in layouts[file].writes:
                 try:
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise NonFiniteError(
+                            directory / file,
+                            f"tensor {name!r} has non-finite values (nan or inf); refusing to save it",
+                        )
                     writers[file].write(name, tensor)
                 except BaseException as error:  # noqa: BLE001
                     failure = error
@@ -296,13 +380,19 @@ def _yaml_text(data: Mapping[str, Any], what: str) -> str:
         raise ValueError(f"{what} must be plain data (numbers, strings, lists, mappings, bytes): {error}") from None
 
 
-def _finish(directory: Path, temporary: Path, *, config: str, metadata: str, origin: Origin | None) -> None:
-    """Complete the checkpoint whose tensor files are written in `temporary`, then put it at `directory`."""
+def _finish(
+    directory: Path, temporary: Path, *, config: str, metadata: Mapping[str, Any], origin: Origin | None
+) -> None:
+    """Complete the checkpoint whose tensor files are written in `temporary` (its checksums in the metadata, written
+    last), then put it at `directory`."""
     try:
         (temporary / CONFIG_FILE).write_text(config)
-        (temporary / METADATA_FILE).write_text(metadata)
         if origin is not None:
             _copy_origin(origin, temporary / ORIGIN_DIRECTORY)
+        checked = [CONFIG_FILE, *metadata["files"]]
+        checksums = {file: file_checksum(temporary / file) for file in checked}
+        metadata = {**metadata, "checksums": {"algorithm": CHECKSUM_ALGORITHM, "files": checksums}}
+        (temporary / METADATA_FILE).write_text(_yaml_text(metadata, "the checkpoint metadata"))
         for path in temporary.rglob("*"):
             _fsync(path)
         _replace(temporary, directory)
@@ -342,10 +432,15 @@ def _fsync(path: Path) -> None:
 
 
 def _agree(
-    distributed: Distributed, failure: BaseException | None, directory: Path, cleanup: Path | None = None
+    distributed: Distributed,
+    failure: BaseException | None,
+    directory: Path,
+    cleanup: Path | None = None,
+    needed: int = 0,
 ) -> None:
-    """Every rank learns whether any failed (and none runs ahead): a failed rank re-raises its error, the others a
-    `CheckpointError`; rank 0 then removes `cleanup`, the unfinished checkpoint."""
+    """Every rank learns whether any failed (and none runs ahead): a failed rank re-raises its error (a full disk as
+    a `CheckpointError` naming the space `needed`), the others a `CheckpointError`; rank 0 then removes `cleanup`,
+    the unfinished checkpoint."""
     failed = failure is not None
     if distributed.world_size > 1:
         flag = torch.tensor([int(failed)], dtype=torch.int32, device=distributed.device)
@@ -355,9 +450,38 @@ def _agree(
         return
     if cleanup is not None and distributed.rank == 0:
         shutil.rmtree(cleanup, ignore_errors=True)
+    if _is_disk_full(failure):
+        raise CheckpointError(directory, _no_space(directory.parent, needed)) from None
     if failure is not None:
         raise failure
     raise CheckpointError(directory, "another rank failed to write the checkpoint (its error is in its log)")
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def file_checksum(path: Path) -> str:
+    """The file's checksum (`CHECKSUM_ALGORITHM`): its 16 MiB chunks hashed by several threads, then their digests."""
+    size = path.stat().st_size
+
+    def chunk(index: int) -> bytes:
+        with open(path, "rb") as file:
+            file.seek(index * _CHUNK)
+            return hashlib.sha256(file.read(_CHUNK)).digest()
+
+    count = max(1, -(-size // _CHUNK))
+    with ThreadPoolExecutor(min(count, os.cpu_count() or 1, 8)) as pool:
+        digests = list(pool.map(chunk, range(count)))
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+class NonFiniteError(CheckpointError):
+    """A tensor to save holds nan or inf: the checkpoint is not written."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -365,7 +489,7 @@ def _agree(
 
 
 def _step_directories(root: Path) -> list[tuple[int, Path]]:
-    """Complete `step_<N>` checkpoints under `root`, oldest first."""
+    """`step_<N>` checkpoints (with their metadata) under `root`, oldest first (unverified)."""
     if not root.is_dir():
         return []
     found = []
@@ -376,20 +500,59 @@ def _step_directories(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The `step_<N>` checkpoint under `root` with the highest N, or None."""
-    found = _step_directories(Path(root))
-    return found[-1][1] if found else None
+def latest_checkpoint(root: str | Path, *, report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest valid `step_<N>` checkpoint under `root` (highest N), or None. A newer one that fails
+    `verify_checkpoint` (corrupted, truncated, edited, incomplete) is skipped, and `report` told which and why."""
+    for _, path in reversed(_step_directories(Path(root))):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as error:
+            if report is not None:
+                report(f"skipped checkpoint {path}: {error}")
+            continue
+        return path
+    return None
+
+
+def verify_checkpoint(directory: str | Path) -> None:
+    """Raise a `CheckpointError` naming the file at fault unless `directory` is a complete checkpoint: its metadata
+    valid, every file it lists there and matching its checksum (when recorded), its tensor files readable."""
+    directory = Path(directory)
+    metadata = _read_metadata(directory)
+    _read_yaml(directory / CONFIG_FILE)
+    for file in metadata["files"]:
+        _verify_checksum(directory / file, metadata)
+        if file.endswith(".safetensors"):
+            with _TensorFile(directory / file, metadata):
+                pass
 
 
 def keep_last(root: str | Path, count: int) -> list[Path]:
-    """Remove all but the `count` latest `step_<N>` checkpoints under `root` (call on one rank); returns the removed."""
+    """Remove all but the `count` latest `step_<N>` checkpoints under `root` (call on one rank); returns the removed.
+
+    Each is renamed `.step_<N>.deleting` before it is removed, so an interrupted pruning never leaves a directory
+    that looks like a checkpoint; what earlier interrupted saves and prunings left (`.*.partial`, `.*.deleting`,
+    `.*.previous`) is removed too."""
     if count < 1:
         raise ValueError(f"keep_last: count must be >= 1, got {count}")
-    removed = [path for _, path in _step_directories(Path(root))[:-count]]
+    root = Path(root)
+    removed = [path for _, path in _step_directories(root)[:-count]]
     for path in removed:
-        shutil.rmtree(path)
+        _remove(path)
+    for leftover in root.glob(".step_*"):
+        if leftover.is_dir() and leftover.suffix in (".partial", ".deleting", ".previous"):
+            shutil.rmtree(leftover, ignore_errors=True)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint directory: first renamed (atomic) out of the `step_<N>` names, then deleted."""
+    doomed = path.parent / f".{path.name}.deleting"
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    path.rename(doomed)
+    _fsync(path.parent)
+    shutil.rmtree(doomed)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -417,8 +580,13 @@ def load_checkpoint(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     distributed: Distributed,
+    model_source: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a checkpoint: (config data, metadata), and fill `model`'s parameters and `optimizer`'s state in place.
+
+    Every file read is checked against its checksum in the metadata (when recorded) and every tensor's dtype against
+    the parameter's. `model_source` names the model for the message of a tensor whose shape it does not expect (e.g.
+    "the model of <checkpoint>/config.yaml", "the model of the run config"; default "the model").
 
     Every rank calls it and takes its own shards (of the tensor-parallel split, the experts' split over the data
     ranks, and the rows of its FSDP shards), reading one global tensor at a time. Nothing is changed unless every
@@ -432,11 +600,12 @@ def load_checkpoint(
         raise ValueError("load_checkpoint: loading optimizer state needs the model (its parameter names)")
     if optimizer is not None and OPTIMIZER_FILE not in metadata["files"]:
         raise CheckpointError(directory / OPTIMIZER_FILE, "this checkpoint was saved without optimizer state")
+    source = model_source or "the model"
     if model is not None:
-        with _TensorFile(directory / MODEL_FILE) as weights:
-            _check_weights(weights, model, whole_model=distributed.config.pipeline_parallel == 1)
+        with _TensorFile(directory / MODEL_FILE, metadata) as weights:
+            _check_weights(weights, model, source, whole_model=distributed.config.pipeline_parallel == 1)
             if optimizer is not None:  # Read (and checked) before any parameter changes.
-                with _TensorFile(directory / OPTIMIZER_FILE) as states:
+                with _TensorFile(directory / OPTIMIZER_FILE, metadata) as states:
                     optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
             _copy_weights(weights, model, distributed)
         if optimizer is not None:
@@ -478,7 +647,54 @@ def _read_metadata(directory: Path) -> dict[str, Any]:
     for file in metadata["files"]:
         if not (directory / file).is_file():
             raise CheckpointError(directory / file, "missing: the checkpoint lists it but the file is not there")
+    _check_checksums_entry(path, metadata)
+    _verify_checksum(directory / CONFIG_FILE, metadata)  # small: always (load, generate and resume refuse edits)
     return metadata
+
+
+def _check_checksums_entry(path: Path, metadata: Mapping[str, Any]) -> None:
+    """`checksums` (absent in checkpoints written before it) is {algorithm, files: {file: hex digest}}."""
+    if "checksums" not in metadata:
+        return
+    checksums = metadata["checksums"]
+    if not isinstance(checksums, dict) or not isinstance(checksums.get("files"), dict):
+        raise CheckpointError(path, f"`checksums` is not a mapping with `algorithm` and `files`: {checksums!r}")
+    if checksums.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise CheckpointError(
+            path,
+            f"unknown checksum algorithm {checksums.get('algorithm')!r} (this blockzoo knows {CHECKSUM_ALGORITHM})",
+        )
+
+
+# (path, size, modification time, checksum) of files verified by this process: resuming verifies, then loads.
+_verified: set[tuple[Path, int, int, str]] = set()
+
+
+def _verify_checksum(path: Path, metadata: Mapping[str, Any]) -> None:
+    """Raise unless `path` matches the checksum the metadata records for it (nothing recorded: nothing checked)."""
+    name = f"{ORIGIN_DIRECTORY}/{path.name}" if path.parent.name == ORIGIN_DIRECTORY else path.name
+    expected = (metadata.get("checksums") or {}).get("files", {}).get(name)
+    if expected is None:
+        return
+    if not path.is_file():
+        raise CheckpointError(path, "missing: not a complete checkpoint")
+    status = path.stat()
+    key = (path.resolve(), status.st_size, status.st_mtime_ns, expected)
+    if key in _verified:
+        return
+    if file_checksum(path) != expected:
+        if path.name == CONFIG_FILE:
+            problem = (
+                "edited since the checkpoint was saved (its checksum differs from the one metadata.yaml records); a "
+                "checkpoint's config is not to be edited: give changes as overrides of the run config instead"
+            )
+        else:
+            problem = (
+                "corrupted or rewritten since the checkpoint was saved (its checksum differs from the one "
+                "metadata.yaml records)"
+            )
+        raise CheckpointError(path, problem)
+    _verified.add(key)
 
 
 def _check_plugins(path: Path, plugins: Mapping[str, Any]) -> None:
@@ -515,17 +731,21 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 class _TensorFile:
-    """A safetensors file read tensor by tensor, with errors that name it. Use as a context manager."""
+    """A safetensors file read tensor by tensor, with errors that name it, checked against the checksum `metadata`
+    records for it. Use as a context manager."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, metadata: Mapping[str, Any]):
         self.path = path
         if not path.is_file():
             raise CheckpointError(path, "missing: not a complete checkpoint")
+        _verify_checksum(path, metadata)
         try:
             self._file = safe_open(str(path), framework="pt", device="cpu")
             self._handle = self._file.__enter__()
             names = self._handle.keys()
-            self.shapes = {name: tuple(self._handle.get_slice(name).get_shape()) for name in names}
+            slices = {name: self._handle.get_slice(name) for name in names}
+            self.shapes = {name: tuple(entry.get_shape()) for name, entry in slices.items()}
+            self.dtypes = {name: DTYPES.get(entry.get_dtype()) for name, entry in slices.items()}
         except (SafetensorError, OSError) as error:
             raise CheckpointError(path, f"corrupted or truncated safetensors file: {error}") from None
 
@@ -562,9 +782,9 @@ def _to_local(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distri
     return shard_like(parameter, tensor).clone()
 
 
-def _check_weights(file: _TensorFile, model: nn.Module, *, whole_model: bool = True) -> None:
-    """Every parameter of the model is in the file with its global shape, and (for a `whole_model`, not a pipeline
-    stage) nothing else is."""
+def _check_weights(file: _TensorFile, model: nn.Module, source: str, *, whole_model: bool = True) -> None:
+    """Every parameter of the model (built from `source`) is in the file with its global shape and dtype, and (for a
+    `whole_model`, not a pipeline stage) nothing else is."""
     parameters = dict(model.named_parameters())
     if missing := [name for name in parameters if name not in file.shapes]:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
@@ -573,7 +793,14 @@ def _check_weights(file: _TensorFile, model: nn.Module, *, whole_model: bool = T
         raise file.error(f"the model has no parameter {', '.join(map(repr, unexpected))} that the file holds")
     for name, parameter in parameters.items():
         if (shape := file.shapes[name]) != (expected := _global_shape(parameter)):
-            raise file.error(f"tensor {name!r} has shape {list(shape)}, the model expects {list(expected)}")
+            raise file.error(
+                f"tensor {name!r} has shape {list(shape)}, but {source} expects {list(expected)}: the two disagree (an "
+                "architecture field changed?)"
+            )
+        if file.dtypes[name] != parameter.dtype:
+            raise file.error(
+                f"tensor {name!r} is {file.dtypes[name]}, but {parameter.dtype} was saved (and is expected)"
+            )
 
 
 def _copy_weights(file: _TensorFile, model: nn.Module, distributed: Distributed) -> None:

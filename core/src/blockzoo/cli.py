@@ -98,9 +98,9 @@ def _train(arguments: argparse.Namespace) -> int:
     with Distributed(run_config.distributed) as distributed:
         try:
             Trainer(run_config, distributed=distributed).run()
-        except TrainingError as error:
+        except TrainingError as error:  # a non-finite loss, a second stop signal: the last checkpoint is intact
             print(f"blockzoo: error: {error}", file=sys.stderr)
-            return 1
+            return error.exit_code
     return 0
 
 

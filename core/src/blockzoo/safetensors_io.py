@@ -11,6 +11,7 @@ tensor as the ranks gather them, and the Hugging Face converter reads and writes
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -156,8 +157,13 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: tensors to write that the file does not hold: {', '.join(sorted(unknown))}")
         if create:
             self._file = open(self.path, "wb")  # noqa: SIM115 - closed by __exit__
-            self._file.write(struct.pack("<Q", len(encoded)) + encoded)
-            self._file.truncate(self._data_start + offset)
+            try:
+                self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+                self._file.flush()
+                _allocate(self._file.fileno(), self._data_start + offset)
+            except BaseException:
+                self._file.close()
+                raise
         else:
             self._file = open(self.path, "r+b")  # noqa: SIM115 - closed by __exit__
 
@@ -193,3 +199,16 @@ class SafetensorsWriter:
                 os.fsync(self._file.fileno())
         finally:
             self._file.close()
+
+
+def _allocate(descriptor: int, size: int) -> None:
+    """Size the file to `size` bytes, its blocks reserved where the file system can (so that a full disk fails here,
+    with ENOSPC, rather than in the middle of the tensors); elsewhere a sparse file."""
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        os.ftruncate(descriptor, size)  # no fallocate here (EOPNOTSUPP, EINVAL): blocks come with the writes
+    except AttributeError:  # not on this platform
+        os.ftruncate(descriptor, size)

@@ -11,6 +11,10 @@ Under sequence-data parallelism the sequence-data ranks of one data rank read th
 its slices of them (`step.place_micro_batch`): each computes the cross-entropy of its own tokens (summed, like the
 labelled-token count, over data × sequence_data), and the named losses of the whole micro-batch, the same on each
 (summed over the data ranks only); gradients are summed over data × sequence_data (FSDP's folded mesh).
+
+SIGTERM or SIGINT (what a cluster scheduler sends) ends the run at the next step boundary, every rank agreeing (an
+all-reduce of a flag): a checkpoint is saved, and the run returns (`blockzoo train` exits 0). A second signal stops
+at once (`Stopped`): a save under way is abandoned, its `.partial` directory removed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,10 @@ import torch
 import torch.distributed as dist
 
 from blockzoo.checkpoint import (
+    METADATA_FILE,
     ORIGIN_DIRECTORY,
+    CheckpointError,
+    NonFiniteError,
     keep_last,
     latest_checkpoint,
     load_checkpoint,
@@ -37,6 +46,7 @@ from blockzoo.checkpoint import (
 )
 from blockzoo.conversion import get_format
 from blockzoo.data.dataset import TrainingBatches, build_dataset
+from blockzoo.data.errors import DatasetError
 from blockzoo.distributed import debug
 from blockzoo.distributed.consistency import check_ranks_agree
 from blockzoo.distributed.data_parallel import is_sharded, prepare_micro_batch, reshard
@@ -50,12 +60,55 @@ from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.training.optimizer import learning_rate, unique_trainable
+from blockzoo.training.random_state import random_states, restore_random_states
 from blockzoo.training.reporting import Throughput, memory_report, memory_usage, peak_flops, step_line
 from blockzoo.training.step import PlacedMicroBatch, StepData, place_micro_batch, to_host
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss, ...); the last checkpoint is intact."""
+
+    exit_code = 1
+
+
+class Stopped(TrainingError):
+    """A second SIGTERM / SIGINT stopped the run at once."""
+
+    def __init__(self, signal_number: int, message: str = ""):
+        self.signal_number = signal_number
+        self.exit_code = 128 + signal_number  # the shell's convention for a process ended by a signal
+        super().__init__(message or f"stopped by a second {signal.Signals(signal_number).name}")
+
+
+class _StopSignals:
+    """While active (a context manager, in the main thread): the first SIGTERM / SIGINT is recorded (`received`),
+    a second raises `Stopped`. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, number: int, _frame: object) -> None:
+        if self.received is not None:
+            raise Stopped(number)
+        self.received = number
+        self._log(
+            f"received {signal.Signals(number).name}: saving a checkpoint at the end of this step, then stopping "
+            "(a second signal stops at once)"
+        )
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
 
 
 @attrs.define
@@ -83,7 +136,7 @@ class Trainer:
         if self.config.export_format is not None:  # refuse a model the format cannot hold before training it
             get_format(self.config.export_format).check_model_config(run_config.model)
         torch.manual_seed(run_config.distributed.seed)
-        last = latest_checkpoint(self.output_dir)
+        last = latest_checkpoint(self.output_dir, report=self.log)  # a corrupted newer one is skipped, and said
         with uninitialized(pretrained is not None or last is not None):  # the checkpoint has every weight
             if run_config.distributed.pipeline_parallel > 1:  # this rank's stages only
                 self.model = build_pipeline_model(run_config.model, self.distributed)
@@ -142,6 +195,17 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------------
 
     def run(self) -> list[StepRecord]:
+        """Train to `train_iters` (or, after SIGTERM / SIGINT, to the next step boundary, saving there)."""
+        with _StopSignals(self.log) as signals:
+            try:
+                return self._run(signals)
+            except Stopped as stopped:
+                last = latest_checkpoint(self.output_dir)
+                kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
+                name = signal.Signals(stopped.signal_number).name
+                raise Stopped(stopped.signal_number, f"stopped at once by a second {name}; {kept}") from None
+
+    def _run(self, signals: _StopSignals) -> list[StepRecord]:
         trained = self.step < self.config.train_iters
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
@@ -164,11 +228,26 @@ class Trainer:
             if evaluation.interval and (self.step % evaluation.interval == 0 or self.step == self.config.train_iters):
                 self._evaluate()
             interval = self.config.checkpoint_interval
-            if (interval and self.step % interval == 0) or self.step == self.config.train_iters:
-                self.save()
+            stop = self._stop_requested(signals)
+            if (interval and self.step % interval == 0) or self.step == self.config.train_iters or stop:
+                directory = self.save()
+            if stop and self.step < self.config.train_iters:
+                self.log(
+                    f"stopped at step {self.step} on a signal; checkpoint {directory} saved: the run resumes there"
+                )
+                return self.history
         if trained and self.config.export_format is not None:
             self.export()
         return self.history
+
+    def _stop_requested(self, signals: _StopSignals) -> bool:
+        """Whether any rank received a stop signal (every rank calls it at every step boundary)."""
+        stop = signals.received is not None
+        if self.distributed.world_size > 1:
+            flag = torch.tensor([int(stop)], dtype=torch.int32, device=self.distributed.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
 
     def _prefetch(self, batches: TrainingBatches) -> None:
         self._upcoming = self._next_step_data(batches)
@@ -342,17 +421,27 @@ class Trainer:
         return loss
 
     def save(self) -> Path:
+        """Save `step_<N>` (every rank), then prune to `checkpoint_keep`. A weight (or optimizer state) that is not
+        finite stops the run (`TrainingError`) with nothing written."""
         directory = self.output_dir / f"step_{self.step}"
-        save_checkpoint(
-            directory,
-            model=self.model,
-            optimizer=self.optimizer,
-            run_config=self.run_config,
-            step=self.step,
-            distributed=self.distributed,
-            data_state=self.data_position,
-            origin=self.model.origin,
-        )
+        try:
+            save_checkpoint(
+                directory,
+                model=self.model,
+                optimizer=self.optimizer,
+                run_config=self.run_config,
+                step=self.step,
+                distributed=self.distributed,
+                data_state=self.data_position,
+                extra={"random_states": random_states(self.model, self.distributed)},
+                origin=self.model.origin,
+                keep=self.config.checkpoint_keep,
+                log=self.log,
+            )
+        except NonFiniteError as error:
+            last = latest_checkpoint(self.output_dir)
+            kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
+            raise TrainingError(f"after step {self.step}, {error}; stopping, {kept}") from None
         if self.model.origin is not None:  # the newest copies: the checkpoints holding older ones may be pruned
             self.model.origin = attrs.evolve(self.model.origin, directory=directory / ORIGIN_DIRECTORY)
         if self.distributed.rank == 0:
@@ -383,10 +472,24 @@ class Trainer:
     def _resume(self, last: Path | None) -> None:
         if last is None:
             return
-        _, metadata = load_checkpoint(last, model=self.model, optimizer=self.optimizer, distributed=self.distributed)
+        _, metadata = load_checkpoint(
+            last,
+            model=self.model,
+            optimizer=self.optimizer,
+            distributed=self.distributed,
+            model_source="the model of the run config",
+        )
         self.step = int(metadata["step"])
         self.data_position = metadata.get("data")
+        try:  # a bad position is the metadata's fault
+            self.data.training_batches(**self._data_rank(), position=self.data_position)
+        except DatasetError as error:
+            raise CheckpointError(last / METADATA_FILE, f"`data`: {error}") from None
         self.model.origin = read_origin(last)
+        extra = metadata.get("extra") or {}
+        problem = restore_random_states(self.model, self.distributed, extra.get("random_states"))
+        if problem is not None:
+            self.log(f"random states not restored ({problem}): random draws differ from a run that did not stop")
         self.log(f"resumed from {last} (step {self.step})")
 
 

@@ -324,7 +324,10 @@ class MoEMLP(MLP):
         # between data-parallel ranks.
         self._jitter_seed = zlib.crc32(f"{name}.router_jitter".encode(), distributed.config.seed % 2**32)
         self._jitter_seed += distributed.data_rank
+        # Made here, not at the first forward: a resumed run restores its state (blockzoo.training.random_state).
         self._jitter_generator: torch.Generator | None = None
+        if config.router_jitter:
+            self._jitter_generator = torch.Generator(distributed.device).manual_seed(self._jitter_seed)
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
         # The router in float32 whatever the compute dtype: close scores choose differently in bf16.
