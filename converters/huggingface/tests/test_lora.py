@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from format_checks import random_model
-from hf_cases import _ATTENTION, TOKENS, load_hf, transformers_model
+from hf_cases import _ATTENTION, TOKENS, hf_logits, load_hf, our_logits, transformers_model
 
 import blockzoo
+from blockzoo.cli import main
+from blockzoo.model.factory import convert
 from blockzoo.peft.apply import adapters
 
 peft = pytest.importorskip("peft")
@@ -90,3 +92,29 @@ def test_same_adapters_give_the_logits_and_gradients_of_peft(exported_llama):
     assert all(parameter.grad is None for parameter in ours.parameters() if not parameter.requires_grad)
     their_trainable = sum(p.numel() for p in theirs.parameters() if p.requires_grad)
     assert sum(p.numel() for p in ours.parameters() if p.requires_grad) == their_trainable
+
+
+def test_a_fine_tuned_model_exports_with_its_adapters_merged(exported_llama, tmp_path, capsys):
+    """save(format=llama) and convert of a LoRA checkpoint write the merged model, which transformers runs with our
+    logits; `convert --merged` writes it natively without PEFT; the model saved keeps its adapters and weights."""
+    ours = _ours(exported_llama)
+    expected = our_logits(ours)
+    weights = {name: parameter.clone() for name, parameter in ours.named_parameters()}
+    blockzoo.save(ours, tmp_path / "saved", format="llama")
+    torch.testing.assert_close(hf_logits(load_hf(tmp_path / "saved")), expected, **TOLERANCE)
+    assert all(torch.equal(parameter, weights[name]) for name, parameter in ours.named_parameters())
+    torch.testing.assert_close(our_logits(ours), expected, atol=0, rtol=0)
+
+    blockzoo.save(ours, tmp_path / "native")
+    reloaded = blockzoo.load(tmp_path / "native")  # the adapters round-trip
+    assert reloaded.config.peft == ours.config.peft
+    torch.testing.assert_close(our_logits(reloaded), expected, atol=0, rtol=0)
+    convert(tmp_path / "native", tmp_path / "converted", format="llama")
+    torch.testing.assert_close(hf_logits(load_hf(tmp_path / "converted")), expected, **TOLERANCE)
+
+    assert main(["convert", str(tmp_path / "native"), str(tmp_path / "merged"), "--merged"]) == 0
+    merged = blockzoo.load(tmp_path / "merged")
+    assert merged.config.peft is None and not any(".adapter." in name for name, _ in merged.named_parameters())
+    torch.testing.assert_close(our_logits(merged), expected, **TOLERANCE)
+    assert main(["convert", str(tmp_path / "merged"), str(tmp_path / "again"), "--merged"]) == 2
+    assert "no PEFT fine-tuning" in capsys.readouterr().err

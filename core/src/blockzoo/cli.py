@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         "--format", help="the format to write: llama, mistral, ... (see `blockzoo plugins`); default: blockzoo"
     )
     convert.add_argument("--dtype", help="the tensors' dtype in an exported checkpoint: float32, bfloat16, float16")
+    convert.add_argument(
+        "--merged",
+        action="store_true",
+        help="a PEFT fine-tuning (LoRA) written natively as the model without PEFT, its adapters merged into the "
+        "weights (exports to another format always merge)",
+    )
     convert.set_defaults(run=_convert)
 
     from blockzoo.data.cli import register_data_command
@@ -150,7 +156,9 @@ def _convert(arguments: argparse.Namespace) -> int:
     from blockzoo.model.factory import convert
 
     options = {} if arguments.dtype is None else {"dtype": arguments.dtype}
-    destination = convert(arguments.source, arguments.destination, format=arguments.format, **options)
+    destination = convert(
+        arguments.source, arguments.destination, format=arguments.format, merged=arguments.merged, **options
+    )
     print(f"wrote {destination} ({arguments.format or 'blockzoo'})")
     return 0
 

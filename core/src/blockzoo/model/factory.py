@@ -6,6 +6,8 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import attrs
+
 from blockzoo.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -29,7 +31,7 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel
-from blockzoo.peft.apply import without_adapters
+from blockzoo.peft.apply import adapters, merged_weights, without_adapters
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 
@@ -91,9 +93,15 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     return model
 
 
-def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", **options) -> Path:
+def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", merged: bool = False, **options) -> Path:
     """Write `model` at `path` as a native checkpoint (weights and config), or in another `format` a converter
-    plugin provides (e.g. `llama`; `options` are the format's, e.g. `dtype="bfloat16"`). Every rank calls it."""
+    plugin provides (e.g. `llama`; `options` are the format's, e.g. `dtype="bfloat16"`). Every rank calls it.
+
+    A model fine-tuned with PEFT is written in another format with its adapters merged into the weights (the format
+    holds the model it computes); natively with its adapters, or with `merged` as a model without PEFT."""
+    if any(True for _ in adapters(model)) and (merged or format != "blockzoo"):
+        with merged_weights(model):
+            return _save_without_peft(model, path, format, options)
     if format != "blockzoo":
         return get_format(format).save(model, Path(path), **options)
     run_config = getattr(model, "run_config", None) or RunConfig(
@@ -105,12 +113,21 @@ def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", **
     return Path(path)
 
 
-def convert(source: str | Path, destination: str | Path, *, format: str | None = None, **options) -> Path:
+def convert(
+    source: str | Path, destination: str | Path, *, format: str | None = None, merged: bool = False, **options
+) -> Path:
     """Convert a checkpoint: a native one (or a run's latest) into `format`, or one of another format into a native
     checkpoint (`format` None or "blockzoo") or into another `format` (through a native one). Streams the weights
-    one tensor at a time: memory holds about one shard, not the model. `options` go to the exporting format."""
+    one tensor at a time: memory holds about one shard, not the model. `options` go to the exporting format.
+
+    A native checkpoint of a PEFT fine-tuning is loaded whole and its adapters merged into the weights: into `format`,
+    or, with `merged`, into a native checkpoint of the model without PEFT."""
     source, destination = Path(source), Path(destination)
     foreign = _foreign_format(source)
+    if foreign is None and read_checkpoint_config(_checkpoint_directory(source)).get("model", {}).get("peft"):
+        return save(load(source), destination, format=format or "blockzoo", merged=True, **options)
+    if merged:
+        raise ConversionError(f"{source} is no PEFT fine-tuning (its model has no `peft`): there is nothing to merge")
     if foreign is None:
         if format in (None, "blockzoo"):
             raise ConversionError(f"{source} is a blockzoo checkpoint: give the format to convert it to (--format)")
@@ -128,6 +145,18 @@ def convert(source: str | Path, destination: str | Path, *, format: str | None =
         return target.export_checkpoint(staging, destination, **options)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_without_peft(model: LanguageModel, path: str | Path, format: str, options: dict) -> Path:
+    """Save `model`, whose adapters are merged and detached, as the model without PEFT."""
+    config, run_config = model.config, getattr(model, "run_config", None)
+    model.config = attrs.evolve(config, peft=None)
+    if run_config is not None:
+        model.run_config = attrs.evolve(run_config, model=model.config)
+    try:
+        return save(model, path, format=format, **options)
+    finally:
+        model.config, model.run_config = config, run_config
 
 
 def with_pretrained_config(run_config: RunConfig, source: str | Path) -> RunConfig:

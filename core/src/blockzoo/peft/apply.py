@@ -96,3 +96,19 @@ def unmerge_adapters(model: nn.Module) -> None:
         if adapter.merged:
             adapter.merge_into(linear.weight.data, -1.0)
             adapter.merged = False
+
+
+@contextlib.contextmanager
+def merged_weights(model: nn.Module) -> Iterator[None]:
+    """Inside: the adapters' updates folded into the weights and the adapters detached, as a model without PEFT (to
+    export the fine-tuned model); after: the weights exactly as before (restored, not unmerged) and the adapters
+    back."""
+    originals = [(linear, linear.weight.data.clone()) for linear, adapter in adapters(model) if not adapter.merged]
+    merge_adapters(model)
+    try:
+        with without_adapters(model):
+            yield
+    finally:
+        for linear, weight in originals:
+            linear.weight.data.copy_(weight)
+            linear.adapter.merged = False
