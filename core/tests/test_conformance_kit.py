@@ -210,6 +210,20 @@ class HandMadeParameterMixer(PreviousTokenMixer):
 
 
 @configclass
+class ConstantInInitConfig(PreviousTokenConfig):
+    """Computes a per-channel constant in __init__, as a plain tensor attribute."""
+
+
+class ConstantInInitMixer(PreviousTokenMixer):
+    def __init__(self, config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.scale = torch.linspace(0.5, 1.5, self.hidden_dim.global_size)
+
+    def forward(self, hidden, batch, state=None):
+        return super().forward(hidden, batch, state) * self.scale
+
+
+@configclass
 class ConstantFlopsConfig(PreviousTokenConfig):
     """Reports the same FLOPs whatever the batch."""
 
@@ -256,6 +270,7 @@ TYPES = {
     "unused_field": (UnusedFieldConfig, "PreviousTokenMixer"),
     "no_gradient": (NoGradientConfig, "NoGradientMixer"),
     "hand_made_parameter": (HandMadeParameterConfig, "HandMadeParameterMixer"),
+    "constant_in_init": (ConstantInInitConfig, "ConstantInInitMixer"),
     "constant_flops": (ConstantFlopsConfig, "ConstantFlopsMixer"),
     "forgetful": (ForgetfulConfig, "ForgetfulMixer"),
     "false_sequence_data_parallel": (FalseSequenceDataParallelConfig, "FalseSequenceDataParallelMixer"),
@@ -407,6 +422,12 @@ BROKEN = [
         "test_meta_device_construction",
         r"parameters offset were not made by blockzoo's parameter factory \(no `\.meta`\): make every parameter with "
         r"blockzoo\.api\.create_parameter or Linear",
+    ),
+    (
+        "constant_in_init",
+        "test_meta_device_construction",
+        r"tensor attribute scale \(not a parameter\) was computed in __init__: built on the meta device .* it holds "
+        r"no values, .* compute it in forward",
     ),
     (
         "constant_flops",

@@ -288,6 +288,21 @@ class LayerConformance:
                 "make every parameter with blockzoo.api.create_parameter or Linear, so it is initialized reproducibly, "
                 "split between tensor-parallel ranks and checkpointed as a global tensor"
             )
+        constants = [
+            f"{module_name}.{attribute}" if module_name else attribute
+            for module_name, module in lazy.named_modules()
+            for attribute, value in vars(module).items()
+            if isinstance(value, torch.Tensor)  # parameters and buffers live in their own dicts, not in vars()
+        ]
+        if constants:
+            plural = len(constants) > 1
+            _fail(
+                f"tensor attribute{'s' if plural else ''} {', '.join(constants)} (not a parameter) "
+                f"{'were' if plural else 'was'} computed in __init__: built on the meta device (as a large or sharded "
+                "model is) it holds no values, and moving the model to a device leaves it behind. Keep constants as "
+                "Python numbers in __init__, or compute it in forward from the config (cached per batch with "
+                "batch.preprocessed(key, compute)); a value to train or checkpoint is a parameter (create_parameter)"
+            )
         buffers = [name for name, _ in lazy.named_buffers()]
         if buffers:
             _fail(
