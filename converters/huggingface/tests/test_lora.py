@@ -8,11 +8,14 @@ import pytest
 import torch
 from format_checks import random_model
 from hf_cases import _ATTENTION, TOKENS, hf_logits, load_hf, our_logits, transformers_model
+from hf_cases_mamba2 import CASES as MAMBA2_CASES
 
 import blockzoo
 from blockzoo.cli import main
+from blockzoo.conversion import ConversionError
 from blockzoo.model.factory import convert
 from blockzoo.peft.apply import adapters
+from blockzoo_huggingface.adapters import load_adapters, save_adapters
 
 peft = pytest.importorskip("peft")
 
@@ -118,3 +121,82 @@ def test_a_fine_tuned_model_exports_with_its_adapters_merged(exported_llama, tmp
     torch.testing.assert_close(our_logits(merged), expected, **TOLERANCE)
     assert main(["convert", str(tmp_path / "merged"), str(tmp_path / "again"), "--merged"]) == 2
     assert "no PEFT fine-tuning" in capsys.readouterr().err
+
+
+def test_exported_adapters_load_in_peft_with_our_logits(exported_llama, tmp_path):
+    ours = _ours(exported_llama)
+    save_adapters(ours, tmp_path / "adapters", "llama", base_model=str(exported_llama))
+    theirs = peft.PeftModel.from_pretrained(load_hf(exported_llama), tmp_path / "adapters").eval()
+    torch.testing.assert_close(theirs(input_ids=TOKENS).logits, our_logits(ours), **TOLERANCE)
+
+
+def _peft_adapters(directory, target_modules, tmp_path):
+    """A PEFT checkpoint of random adapters (B too) saved by peft, and the peft model's logits."""
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=target_modules)
+    model = peft.get_peft_model(load_hf(directory), config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    model.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        return tmp_path / "peft", model.eval()(input_ids=TOKENS).logits
+
+
+def test_peft_adapters_import_with_peft_logits(exported_llama, tmp_path):
+    """q_proj/v_proj (the defaults) and gate_proj/down_proj (given apply_peft): into our query, the value part of
+    key‖value, the gate part of gate‖up and down."""
+    directory, expected = _peft_adapters(exported_llama, ["q_proj", "v_proj", "gate_proj", "down_proj"], tmp_path)
+    peft_config = {"type": "lora", "rank": RANK, "alpha": ALPHA}
+    mlp = {"type": "mlp", "gated": True, "gate": {"apply_peft": True}, "down": {"apply_peft": True}}
+    ours = blockzoo.build(
+        {"model": {"pretrained": str(exported_llama), "peft": peft_config, "decoder": {"block": {"mlp": mlp}}}}
+    )
+    load_adapters(ours, directory, "llama")
+    torch.testing.assert_close(our_logits(ours), expected, **TOLERANCE)
+
+
+def test_peft_modules_that_do_not_map_are_refused_by_name(exported_llama, tmp_path):
+    directory, _ = _peft_adapters(exported_llama, ["q_proj", "v_proj", "up_proj"], tmp_path)
+    ours = _ours(exported_llama)  # no apply_peft on the MLP
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.up_proj.*cannot be mapped"):
+        load_adapters(ours, directory, "llama")
+    directory, _ = _peft_adapters(exported_llama, ["q_proj"], tmp_path / "q")
+    with pytest.raises(ConversionError, match=r"no adapter tensors for .*key_value\.1"):
+        load_adapters(ours, directory, "llama")
+
+
+@pytest.fixture(scope="module")
+def mamba2_directory(tmp_path_factory):
+    _, class_name, config = MAMBA2_CASES["mamba2"]
+    directory = tmp_path_factory.mktemp("mamba2")
+    transformers_model(class_name, config).save_pretrained(directory)
+    return directory
+
+
+def _mamba2(directory, components: tuple[str, ...]):
+    mixer = {"type": "mamba_2", **{name: {"apply_peft": True} for name in components}}
+    model = {"pretrained": str(directory), "peft": {"type": "lora", "rank": RANK, "alpha": ALPHA}}
+    return blockzoo.build({"model": {**model, "decoder": {"block": {"mixer": mixer}}}})
+
+
+def test_mamba2_in_proj_parts_export_as_one_peft_module_and_import_back(mamba2_directory, tmp_path):
+    """Adapters on z and x of in_proj [z, x, B, C, dt] are one PEFT module of rank 2·r (exact: the sum of ours), which
+    peft loads with our logits; a PEFT in_proj adapter imports into a model adapting every part of in_proj."""
+    ours = _mamba2(mamba2_directory, ("z", "x"))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _, adapter in adapters(ours):
+            for b in adapter.lora_b.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+    save_adapters(ours, tmp_path / "adapters", "mamba2")
+    theirs = peft.PeftModel.from_pretrained(load_hf(mamba2_directory), tmp_path / "adapters").eval()
+    torch.testing.assert_close(theirs(input_ids=TOKENS).logits, our_logits(ours), **TOLERANCE)
+
+    directory, expected = _peft_adapters(mamba2_directory, ["in_proj"], tmp_path)
+    with pytest.raises(ConversionError, match=r"component 2 of 'decoder\.0\.mixer\.in_proj'"):
+        load_adapters(_mamba2(mamba2_directory, ("z", "x")), directory, "mamba2")
+    every_part = _mamba2(mamba2_directory, ("z", "x", "b", "c", "dt"))
+    load_adapters(every_part, directory, "mamba2")
+    torch.testing.assert_close(our_logits(every_part), expected, **TOLERANCE)
