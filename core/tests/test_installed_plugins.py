@@ -118,6 +118,28 @@ def test_allow_and_block_lists(site):
     assert result.returncode == 2 and "cannot be disabled" in result.stderr
 
 
+def test_one_of_two_distributions_of_a_plugin_name_is_left_out_as_the_advice_says(site, tmp_path):
+    """Both register `dup.mixer`: the error names both and a value of BLOCKZOO_DISABLE_PLUGINS that leaves out only
+    the second (the plugin name alone would disable both); following it makes the type usable."""
+    config = write_config(tmp_path, "{type: dup.mixer}")
+    result = blockzoo(site, "config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "'dup' (blockzoo-test-dup-one 1.0.0) and 'dup' (blockzoo-test-dup-two 2.0.0)" in result.stderr
+    advice = "BLOCKZOO_DISABLE_PLUGINS=dup:blockzoo-test-dup-two leaves out 'dup' (blockzoo-test-dup-two 2.0.0)"
+    assert advice in result.stderr, result.stderr
+    plugins = plugins_json(site, BLOCKZOO_DISABLE_PLUGINS="dup:blockzoo-test-dup-two")
+    assert plugins["dup:blockzoo-test-dup-two"]["status"] == "disabled"
+    assert (
+        plugins["dup:blockzoo-test-dup-one"]["status"] == "loaded"
+        and not plugins["dup:blockzoo-test-dup-one"]["conflicts"]
+    )
+    result = blockzoo(site, "config", str(config), BLOCKZOO_DISABLE_PLUGINS="dup:blockzoo-test-dup-two")
+    assert result.returncode == 0, result.stderr
+    plugins = plugins_json(site, BLOCKZOO_PLUGINS="dup:blockzoo-test-dup-one")
+    assert plugins["dup:blockzoo-test-dup-one"]["status"] == "loaded"
+    assert plugins["dup:blockzoo-test-dup-two"]["status"] == "disabled"
+
+
 def write_config(tmp_path: Path, mixer: str) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(
@@ -128,6 +150,7 @@ def write_config(tmp_path: Path, mixer: str) -> Path:
               decoder:
                 num_blocks: 2
                 block: {{mixer: {mixer}, mlp: {{type: none}}}}
+            data: {{type: random, sequence_length: 16}}
             """
         )
     )

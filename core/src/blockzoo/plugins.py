@@ -218,11 +218,7 @@ class Registry:
         if entry is not None:
             return entry
         if (kind, name) in self._conflicts:
-            owners = " and ".join(e.plugin.label for e in self._conflicts[(kind, name)])
-            raise UnknownTypeError(
-                f"{kind} type {name!r} is registered by two plugins, {owners}; uninstall one of them "
-                "or disable it with BLOCKZOO_DISABLE_PLUGINS"
-            )
+            raise UnknownTypeError(self._conflict_message(kind, name))
         close = difflib.get_close_matches(name, self.available(kind), n=1)
         suggestion = f"; did you mean {close[0]!r}?" if close else ""
         raise UnknownTypeError(
@@ -274,10 +270,28 @@ class Registry:
     def problems(self) -> list[str]:
         """Every plugin that did not load and every conflicting type, one line each."""
         lines = [f"plugin {r.label} {_describe_status(r)}" for r in self.plugins.values() if r.status in _BAD]
-        for (kind, name), entries in self._conflicts.items():
-            owners = " and ".join(e.plugin.label for e in entries)
-            lines.append(f"{kind} type {name!r} is registered by both {owners}")
+        lines += [self._conflict_message(kind, name) for kind, name in self._conflicts]
         return lines
+
+    def _conflict_message(self, kind: str, name: str) -> str:
+        """Who registers a conflicting type, and a way out that leaves one of them (for each but the first)."""
+        entries = self._conflicts[(kind, name)]
+        owners = " and ".join(entry.plugin.label for entry in entries)
+        ways = [
+            f"`pip uninstall {entry.plugin.distribution}` or BLOCKZOO_DISABLE_PLUGINS={self.selector(entry.plugin)}"
+            if entry.plugin.distribution
+            else f"BLOCKZOO_DISABLE_PLUGINS={self.selector(entry.plugin)}"
+            for entry in entries[1:]
+        ]
+        return f"{kind} type {name!r} is registered by both {owners}: neither is used. Keep one: " + "; ".join(
+            f"{way} leaves out {entry.plugin.label}" for way, entry in zip(ways, entries[1:])
+        )
+
+    def selector(self, record: PluginRecord) -> str:
+        """How BLOCKZOO_PLUGINS / BLOCKZOO_DISABLE_PLUGINS name this plugin alone: its name, or `name:distribution`
+        when another installed distribution has a plugin of that name."""
+        namesakes = [other for other in self.plugins.values() if other.name == record.name]
+        return record.name if len(namesakes) < 2 or not record.distribution else f"{record.name}:{record.distribution}"
 
     def check_environment(self, record: PluginRecord) -> list[str]:
         """The problems a loaded plugin's `check_environment` hook reports."""
@@ -447,6 +461,11 @@ def _requirement_problem(distribution: importlib.metadata.Distribution) -> str |
     return None
 
 
+def _named(record: PluginRecord, names: set[str]) -> bool:
+    """Whether a BLOCKZOO_* list names the plugin: by its name (every distribution of it) or `name:distribution`."""
+    return record.name in names or f"{record.name}:{record.distribution}" in names
+
+
 def _names_from_environment(variable: str, environ: Mapping[str, str]) -> set[str] | None:
     value = environ.get(variable)
     if value is None:
@@ -485,9 +504,9 @@ def discover(environ: Mapping[str, str] | None = None) -> Registry:
             version=distribution.version if distribution else None,
             location=_location(entry_point),
         )
-        if entry_point.name != CORE_PLUGIN and entry_point.name in disabled:
+        if entry_point.name != CORE_PLUGIN and _named(record, disabled):
             record.status, record.error = "disabled", "BLOCKZOO_DISABLE_PLUGINS"
-        elif entry_point.name != CORE_PLUGIN and allowed is not None and entry_point.name not in allowed:
+        elif entry_point.name != CORE_PLUGIN and allowed is not None and not _named(record, allowed):
             record.status, record.error = "disabled", "not in BLOCKZOO_PLUGINS"
         elif distribution is not None and (problem := _requirement_problem(distribution)):
             record.status, record.error = "incompatible", problem
