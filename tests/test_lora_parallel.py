@@ -1,0 +1,113 @@
+"""LoRA training under tensor, sequence-tensor and data parallelism (and ZeRO) gives the single-process run: the
+loss and gradient norm of every step and the trained adapters (global tensors), the base weights untouched.
+
+Adapters on every kind of linear: column-parallel (query, gate‖up's up part: B split on its output rows),
+row-parallel (dense, down: A split on its input columns), the value part of key‖value (column-parallel under TP 2,
+GQA's groups split), and MQA's key‖value replicated inside the tensor region. Dropout 0: a rank's dropout mask is
+its own, so only a run without dropout can equal the single process. One gloo spawn of 2 ranks runs every layout.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformer_reference import SEED, attention, block, model_data, run_data, single_process
+
+from blockzoo.config import structure
+from blockzoo.distributed.config import DistributedConfig
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.run_config import RunConfig
+from blockzoo.testing.distributed import run_distributed
+from blockzoo.training.trainer import Trainer
+
+LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
+WEIGHT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+ADAPTED = {"apply_peft": True}
+
+
+def _model(mixer: dict) -> dict:
+    mixer = {**mixer, "dense": ADAPTED}
+    mlp = {"type": "mlp", "intermediate_size": 48, "gated": True, "up": ADAPTED, "down": ADAPTED}
+    decoder = {"type": "fixed", "num_blocks": 2, "block": {**block(mixer), "mlp": mlp}}
+    return {**model_data(tied=True, decoder=decoder), "peft": {"type": "lora", "rank": 4, "alpha": 8.0}}
+
+
+MODELS = {"gqa": _model(attention()), "mqa": _model({**attention(heads=4, head_groups=1), "head_size": 8})}
+LAYOUTS = {
+    "tp2-gqa": ("gqa", {"tensor_parallel": 2}),
+    "stp2-gqa": ("gqa", {"tensor_parallel": 2, "sequence_tensor_parallel": True}),
+    "stp2-mqa": ("mqa", {"tensor_parallel": 2, "sequence_tensor_parallel": True}),
+    "dp2": ("gqa", {}),
+    "dp2-zero3": ("gqa", {"zero_stage": 3}),
+}
+DATA = {
+    "type": "random",
+    "sequence_length": 16,
+    "micro_batch_size": 2,
+    "min_document_length": 2,
+    "max_document_length": 9,
+}
+STEPS = 3
+
+
+def _run_config(model: str, output_dir: Path, data_size: int = 1, **distributed) -> RunConfig:
+    training = {
+        "train_iters": STEPS,
+        "gradient_accumulation": data_size,
+        "optimizer": {"learning_rate": 0.01},
+        "schedule": {"warmup_iters": 1},
+        "evaluation": {"interval": None},
+        "log_interval": 100,
+        "output_dir": str(output_dir),
+    }
+    data = run_data(MODELS[model], data=DATA, training=training)
+    data["distributed"].update(timeout=60, **distributed)
+    return structure(data, RunConfig)
+
+
+def _global_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    group = trainer.distributed.tensor_group
+    return {
+        name: parameter.meta.local_to_global(parameter.detach(), group)
+        for name, parameter in trainer.model.named_parameters()
+    }
+
+
+def _reference(model: str, data_size: int, output_dir: Path) -> dict:
+    trainer = Trainer(_run_config(model, output_dir, data_size), distributed=single_process(), log=lambda _: None)
+    initial = {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
+    trainer.run()
+    history = [(record.loss, record.gradient_norm) for record in trainer.history]
+    return {"history": history, "weights": _global_weights(trainer), "initial": initial}
+
+
+def _check_layouts(references: dict, root: str) -> None:
+    with Distributed(DistributedConfig(seed=SEED, backend="gloo", timeout=60)):
+        for label, (model, settings) in LAYOUTS.items():
+            run_config = _run_config(model, Path(root) / label, **settings)
+            trainer = Trainer(run_config, distributed=Distributed(run_config.distributed), log=lambda _: None)
+            trainer.run()
+            reference = references[label]
+            for record, (loss, norm) in zip(trainer.history, reference["history"], strict=True):
+                torch.testing.assert_close(record.loss, loss, **LOSS_TOLERANCE, msg=f"{label} {record.step}: loss")
+                torch.testing.assert_close(record.gradient_norm, norm, **LOSS_TOLERANCE, msg=f"{label}: grad norm")
+            weights = _global_weights(trainer)
+            assert weights.keys() == reference["weights"].keys()
+            for name, weight in weights.items():
+                expected = reference["weights"][name]
+                torch.testing.assert_close(weight, expected, **WEIGHT_TOLERANCE, msg=f"{label}: {name}")
+                moved = (expected - reference["initial"][name]).abs().max() > 1e-3
+                assert moved == (".adapter." in name), f"{label}: {name} trained: {bool(moved)}"
+            dist.barrier()
+
+
+@pytest.mark.distributed
+def test_lora_training_in_parallel_matches_single_process(tmp_path):
+    runs, references = {}, {}
+    for label, (model, settings) in LAYOUTS.items():
+        key = (model, 2 // settings.get("tensor_parallel", 1))  # a data-parallel layout's reference accumulates 2
+        if key not in runs:
+            runs[key] = _reference(*key, tmp_path / f"reference-{key[0]}-{key[1]}")
+        references[label] = runs[key]
+    run_distributed(2, _check_layouts, references, str(tmp_path))
