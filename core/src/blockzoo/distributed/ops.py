@@ -124,18 +124,26 @@ class _SplitTokens(torch.autograd.Function):
 
 
 def copy_to_tensor_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Enter the tensor-parallel region: the identity forward, the gradient summed over `group` backward (the
+    input of a column-parallel product)."""
     return tensor if _is_single(group) else _CopyToTensorRegion.apply(tensor, group)
 
 
 def reduce_from_tensor_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Leave the tensor-parallel region: the ranks' partial sums all-reduced over `group` forward, the identity
+    backward (the output of a row-parallel product)."""
     return tensor if _is_single(group) else _ReduceFromTensorRegion.apply(tensor, group)
 
 
 def gather_tokens(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sequence-tensor parallelism: the token-split `[tokens, ...]` shards all-gathered along tokens (rank order)
+    forward, the gradient reduce-scattered back to each rank's tokens."""
     return tensor if _is_single(group) else _GatherTokens.apply(tensor, group)
 
 
 def reduce_scatter_tokens(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sequence-tensor parallelism: partial sums over all tokens reduce-scattered to each rank's contiguous share
+    of the tokens forward, the gradient all-gathered backward. Every op is the identity without a group."""
     return tensor if _is_single(group) else _ReduceScatterTokens.apply(tensor, group)
 
 

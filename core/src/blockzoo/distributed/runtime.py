@@ -42,6 +42,20 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Distributed:
+    """The ranks and groups of a run (module docstring). What layers read:
+
+    - `config` (the `DistributedConfig`), `device` (this rank's: `cuda:<local_rank>` on NCCL, else the CPU),
+      `compute_dtype` (torch dtype of activations), `backend` (`gloo` or `nccl`);
+    - `world_size`, `rank`, `local_rank`; per mesh dim a size, a rank and a group (None in a single process, and
+      then every rank 0): `tensor_size` / `tensor_rank` / `tensor_group` (tensor parallelism: split weights),
+      `sequence_data_size` / `sequence_data_rank` / `sequence_data_group` (slices of one sequence),
+      `data_size` / `data_rank` / `data_group` (replicas, ZeRO shards), `pipeline_rank` / `pipeline_group`;
+      `data_sequence_size` / `data_sequence_group` (data × sequence_data: where gradients are summed);
+    - `sequence_tensor_parallel` (whether the residual stream is split along tokens over the tensor group);
+    - `mesh` (the `DeviceMesh` of dims pipeline, data, sequence_data, tensor; None in a single process) and
+      `data_parallel_mesh` (what FSDP2 shards over);
+    - `reduce_replicated_gradients(parameters)`, `shutdown()` (also on leaving a `with` block)."""
+
     def __init__(
         self,
         config: DistributedConfig,

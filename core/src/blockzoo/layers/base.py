@@ -75,6 +75,18 @@ class Batch:
     documents and `past_lengths` the tokens of each piece's document before the slice (only the first piece's can
     be > 0), so `positions` are positions in the whole document. `past_lengths` without `sequence_data` is
     generation: mixers tell the two apart by `state` and `sequence_data`, never by `past_lengths` alone.
+
+    Every document has at least one token (an empty one is refused: drop it before making the batch). Made on the
+    host and copied to `device` once; its tensors, all on `device`:
+    - `lengths` (int64, [documents]), `past_lengths` (int64 or None); `host_lengths`: `lengths` on the host, for
+      what must not wait for the device;
+    - `cu_seqlens` (int32, [documents + 1]): cumulative lengths from 0, as varlen attention kernels take them;
+    - `document_index` (int64, [tokens]): each token's document; `positions` (int64, [tokens]): each token's position
+      in its document, counting `past_lengths` (so the first new token of a document with 5 cached ones is at 5).
+    Python ints: `num_tokens` (the sum of the lengths), `max_length`, `num_documents`, `continued` (on a slice: the
+    tokens of the first piece's document before it); `is_slice` (whether `sequence_data` is set). `losses` /
+    `statistics`: what layers add during the forward (`add_loss`, `add_statistics_loss`); `preprocessed(key,
+    compute)` caches what layers compute from the batch.
     """
 
     def __init__(

@@ -29,6 +29,8 @@ class InitializationConfig(PolymorphicConfig):
 
 @configclass
 class NormalInitializationConfig(InitializationConfig):
+    """Values drawn from a normal distribution (optionally truncated)."""
+
     mean: float = field(0.0, doc="Mean of the normal distribution.")
     std: float = field(0.02, doc="Standard deviation.", validator=at_least(0))
     truncate: float | None = field(None, doc="If set, values are truncated to mean ± truncate·std.")
@@ -36,6 +38,8 @@ class NormalInitializationConfig(InitializationConfig):
 
 @configclass
 class UniformInitializationConfig(InitializationConfig):
+    """Values drawn uniformly from [low, high]."""
+
     low: float = field(-0.02, doc="Lower bound.")
     high: float = field(0.02, doc="Upper bound.")
 
@@ -45,6 +49,8 @@ class UniformInitializationConfig(InitializationConfig):
 
 @configclass
 class FillInitializationConfig(InitializationConfig):
+    """Every element set to one value (`ZEROS`, `ONES`)."""
+
     value: float = field(0.0, doc="Every element is set to this value.")
 
 
@@ -71,6 +77,8 @@ class ResolvedParameter:
 
 @configclass
 class ParameterConfig(Config):
+    """How one parameter is initialized and trained; each None takes the parent layer's default (`resolve`)."""
+
     initialization: InitializationConfig | None = field(None, doc="None: the parent layer's default.")
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
@@ -89,11 +97,15 @@ class ParameterConfig(Config):
 
 @configclass
 class BiasConfig(ParameterConfig):
+    """A linear's bias: a parameter that may be switched off."""
+
     enabled: bool | None = field(None, doc="None: the parent's default (`add_linear_biases`).")
 
 
 @configclass
 class LinearConfig(Config):
+    """A linear layer's weight, bias, learning-rate scale and PEFT switch, each defaulting to its parent's."""
+
     weight: ParameterConfig = field(factory=ParameterConfig, doc="The weight.")
     bias: BiasConfig = field(factory=BiasConfig, doc="The bias (zeros and no weight decay by default).")
     lr_scale: float | None = field(
@@ -123,6 +135,8 @@ class LinearConfig(Config):
 
 @configclass
 class NormalizationConfig(PolymorphicConfig):
+    """Base of the normalization types (`rms_norm` by default); a plugin may register more."""
+
     kind: ClassVar[str] = "normalization"
     default_type: ClassVar[str] = "rms_norm"
 

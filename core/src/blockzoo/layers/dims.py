@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 
 class TensorDim:
+    """One dimension of a parameter or activation: `name`, `global_size` (the size in one process and in
+    checkpoints) and whether tensor parallelism splits it (`parallel`: into `local_size(tp)` contiguous entries per
+    rank, rank r holding [r·local, (r+1)·local)). `global_to_local`, `merge_shards` and `local_to_global` map
+    between a global tensor and the ranks' shards."""
+
     def __init__(self, name: str, global_size: int, parallel: bool = False):
         if global_size < 0:
             raise ValueError(f"tensor dim {name!r} has a negative size {global_size}")

@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 
 class Linear(nn.Module):
+    """`y = x Wᵀ + b` over packed `[tokens, features]`, tensor-parallel as its dims say (module docstring):
+    `input_dim` and `output_dim` are `TensorDim`s (a `ConcatenatedTensorDim` output with one `LinearConfig` per
+    component, e.g. key‖value), the weight and bias made by `create_parameter` under `name`. The defaults
+    (`default_initialization`, `default_bias`, `lr_scale`, `default_peft`) are the parent layer's; each config's
+    fields override them. `forward_flops(tokens)` / `backward_flops(tokens)` count its products for `flops`."""
+
     def __init__(
         self,
         name: str,
