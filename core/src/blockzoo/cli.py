@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -85,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.hidden_size=512")
     config.add_argument("--explicit", action="store_true", help="print only what the file and overrides set")
+    config.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="check the layout for N processes (default: WORLD_SIZE, else 1, as `blockzoo train` alone runs)",
+    )
     config.set_defaults(run=_config)
     return parser
 
@@ -99,9 +106,11 @@ def _train(arguments: argparse.Namespace) -> int:
 
     run_config = load(RunConfig, arguments.path, arguments.overrides)  # before importing torch: bad configs fail fast
     from blockzoo.distributed.runtime import Distributed
+    from blockzoo.model.size import check_fits
     from blockzoo.training.trainer import Trainer, TrainingError
 
     with Distributed(run_config.distributed) as distributed:
+        check_fits(run_config, distributed)  # a model or batches too large for this device: refused before allocating
         try:
             Trainer(run_config, distributed=distributed).run()
         except TrainingError as error:  # a non-finite loss, a second stop signal: the last checkpoint is intact
@@ -179,7 +188,20 @@ def _config(arguments: argparse.Namespace) -> int:
         print(config_reference(), end="")
         return 0
 
-    print(to_yaml(load(RunConfig, arguments.path, arguments.overrides), explicit_only=arguments.explicit), end="")
+    run_config = load(RunConfig, arguments.path, arguments.overrides)
+    processes = arguments.processes if arguments.processes is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if processes < 1:
+        raise UsageError(f"--processes must be at least 1, got {processes}")
+    from blockzoo.preflight import preflight
+
+    # Beyond the fields: what `blockzoo train` would refuse short of reading the data or starting the ranks.
+    report = preflight(run_config, processes=processes)
+    print(to_yaml(run_config, explicit_only=arguments.explicit), end="")
+    print("blockzoo: checked: " + "; ".join(report.checked), file=sys.stderr)
+    print(
+        "blockzoo: not checked (needs the data read or the ranks started): " + "; ".join(report.not_checked),
+        file=sys.stderr,
+    )
     return 0
 
 

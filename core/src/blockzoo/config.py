@@ -121,6 +121,16 @@ def at_least(minimum: float) -> Any:
     return validate
 
 
+def at_most(maximum: float) -> Any:
+    """attrs validator: the value (when not None) is <= maximum."""
+
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value > maximum:
+            raise ConfigFieldError(attribute.name, f"must be <= {maximum}, got {value!r}")
+
+    return validate
+
+
 def greater_than(minimum: float) -> Any:
     """attrs validator: the value (when not None) is > minimum."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -196,6 +197,10 @@ def create_parameter(
         local_shape = tuple(dim.local_size(distributed.tensor_size) for dim in dims)
     except ValueError as error:
         raise ValueError(f"parameter {name!r}: {error}") from None
+    if math.prod(dim.global_size for dim in dims) > 2**63 - 1:  # torch cannot index it (a config's huge sizes)
+        raise ValueError(
+            f"parameter {name!r} of shape {[dim.global_size for dim in dims]} has more than 2**63 - 1 elements"
+        )
     if data_parallel_dims is not None:
         data_parallel_dims = tuple(data_parallel_dims)
         data_local = tuple(dim.local_size(distributed.data_size) for dim in data_parallel_dims)
