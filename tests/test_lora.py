@@ -6,6 +6,10 @@ refusal of a `peft` that adapts nothing. Against peft + transformers: converters
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import attrs
 import pytest
@@ -201,3 +205,20 @@ def test_every_field_of_lora_changes_the_adapters_or_the_outputs():
 def test_bad_lora_fields_are_refused_by_path(peft, field):
     with pytest.raises(ConfigError, match=rf"model\.peft\.{field}"):
         model_of({"attn": {"mixer": ATTENTION, "mlp": MLP}}, peft)
+
+
+@pytest.mark.slow  # two training runs in fresh processes; test_only_adapters_train_... is its fast sibling
+def test_the_memory_benchmark_counts_the_adapters_only(tmp_path):
+    """benchmarks/lora_memory.py --tiny: LoRA trains the adapters of query ([8, 64], [64, 8]) and value ([8, 64],
+    [32, 8]) in 2 blocks; full fine-tuning every parameter; gradients are 4 bytes per trainable parameter."""
+    script = Path(__file__).parents[1] / "benchmarks" / "lora_memory.py"
+    output = tmp_path / "results.json"
+    subprocess.run([sys.executable, str(script), "--tiny", "--steps", "1", "--json", str(output)], check=True)
+    full, lora = json.loads(output.read_text())
+    adapters_per_block = 8 * 64 + 64 * 8 + 8 * 64 + 32 * 8
+    assert lora["trainable"] == 2 * adapters_per_block == lora["parameters"] - full["parameters"]
+    assert full["trainable"] == full["parameters"]
+    for result in (full, lora):
+        assert result["gradient_bytes"] == 4 * result["trainable"]
+        assert result["optimizer_bytes"] >= 8 * result["trainable"]
+    assert lora["optimizer_bytes"] < full["optimizer_bytes"] / 10

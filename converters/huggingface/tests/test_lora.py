@@ -4,6 +4,8 @@ gradients; only the adapters train."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from format_checks import random_model
@@ -12,9 +14,12 @@ from hf_cases_mamba2 import CASES as MAMBA2_CASES
 
 import blockzoo
 from blockzoo.cli import main
+from blockzoo.config import load as load_config
 from blockzoo.conversion import ConversionError
 from blockzoo.model.factory import convert
 from blockzoo.peft.apply import adapters
+from blockzoo.run_config import RunConfig
+from blockzoo.training.trainer import Trainer
 from blockzoo_huggingface.adapters import load_adapters, save_adapters
 
 peft = pytest.importorskip("peft")
@@ -23,6 +28,7 @@ RANK, ALPHA = 4, 12.0
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 # Gradients (of order 0.1-1) sum over every token and logit, in a different order on each side.
 GRADIENT_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+EXAMPLE = Path(__file__).parents[3] / "examples" / "lora.yaml"
 LLAMA = {**_ATTENTION, "head_dim": 24, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 
 
@@ -200,3 +206,38 @@ def test_mamba2_in_proj_parts_export_as_one_peft_module_and_import_back(mamba2_d
     every_part = _mamba2(mamba2_directory, ("z", "x", "b", "c", "dt"))
     load_adapters(every_part, directory, "mamba2")
     torch.testing.assert_close(our_logits(every_part), expected, **TOLERANCE)
+
+
+def test_the_lora_example_fine_tunes_a_llama_and_its_adapters_load_in_peft(tmp_path):
+    """examples/lora.yaml, shortened, from a tiny Llama of the corpus's vocabulary: only the adapters move, the loss
+    falls, the merged export and our adapters in peft give the fine-tuned model's logits."""
+    base = tmp_path / "llama"
+    transformers_model("LlamaConfig", {**LLAMA, "vocab_size": 257}).save_pretrained(base)
+    overrides = [
+        f"model.pretrained={base}",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.train_iters=6",
+        "training.checkpoint_interval=6",
+        "training.evaluation.interval=null",
+        "training.optimizer.learning_rate=2.0e-2",
+        "data.sequence_length=64",
+        "data.micro_batch_size=2",
+        "model.peft.dropout=0.0",
+    ]
+    run_config = load_config(RunConfig, EXAMPLE, overrides)
+    trainer = Trainer(run_config, log=lambda _: None)
+    trainer.run()
+    losses = [record.loss for record in trainer.history]
+    assert losses[-1] < losses[0], losses
+    tuned = blockzoo.load(tmp_path / "run")
+    untouched = blockzoo.load(base)
+    base_weights = dict(untouched.named_parameters())
+    for name, parameter in tuned.named_parameters():
+        if ".adapter." not in name:
+            assert torch.equal(parameter, base_weights[name]), name
+    expected = our_logits(tuned)
+    assert not torch.allclose(expected, our_logits(untouched), atol=1e-3)
+    torch.testing.assert_close(hf_logits(load_hf(tmp_path / "run" / "llama")), expected, **TOLERANCE)
+    save_adapters(tuned, tmp_path / "adapters", "llama", base_model=str(base))
+    theirs = peft.PeftModel.from_pretrained(load_hf(base), tmp_path / "adapters").eval()
+    torch.testing.assert_close(theirs(input_ids=TOKENS).logits, expected, **TOLERANCE)
