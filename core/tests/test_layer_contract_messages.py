@@ -1,12 +1,15 @@
 """A layer that lacks a contract method says which one, of which layer type, and what it is for."""
 
+from types import SimpleNamespace
+
 import pytest
 
-from blockzoo.api import Batch, MixerConfig, MLPConfig, configclass
+from blockzoo.api import Batch, MixerConfig, MLPConfig, check, configclass
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import MLP, Mixer
 from blockzoo.layers.dims import TensorDim
+from blockzoo.model.block import check_layout
 
 
 @configclass
@@ -52,3 +55,53 @@ def test_a_layer_without_flops_or_forward_names_the_method(layer_class, config, 
         layer.flops(Batch([3]))
     with pytest.raises(NotImplementedError, match=rf"{kind} type '{layer_class.__name__}' does not implement forward"):
         layer(None, Batch([3]))
+
+
+@configclass
+class EvenOnlyMixerConfig(MixerConfig):
+    capabilities = frozenset({"tensor_parallel"})
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        check(tensor_parallel == 2, "width", f"tensor_parallel={tensor_parallel} must be 2")
+
+
+@pytest.mark.parametrize(
+    ("config", "size", "message"),
+    [
+        (
+            EvenOnlyMixerConfig(),
+            4,
+            r"mixer 'decoder\.0\.mixer' \(type 'EvenOnlyMixerConfig'\): width: tensor_parallel=4 must be 2",
+        ),
+        (
+            BareMixerConfig(),
+            2,
+            r"mixer 'decoder\.0\.mixer' \(type 'BareMixerConfig'\) does not support tensor-parallel",
+        ),
+    ],
+)
+def test_the_engine_refuses_a_split_before_the_layer_is_built(config, size, message):
+    """The engine's check of a config's check_tensor_parallel (and its capabilities), before any layer exists."""
+    with pytest.raises(ValueError, match=message):
+        check_layout(config, "decoder.0.mixer", SimpleNamespace(tensor_size=size))
+    check_layout(EvenOnlyMixerConfig(), "decoder.0.mixer", SimpleNamespace(tensor_size=2))  # accepted
+    check_layout(BareMixerConfig(), "decoder.0.mixer", SimpleNamespace(tensor_size=1))  # nothing to split
+
+
+def test_build_part_runs_the_check_before_building():
+    """A registered type (attention, 3 heads over 2 ranks): build_part refuses it with the config's message before
+    the implementation runs (which would need a tensor-parallel process group)."""
+    from blockzoo.config import structure
+    from blockzoo.model.block import build_part
+
+    config = structure({"type": "attention", "heads": 3, "head_groups": 3, "head_size": 4}, MixerConfig)
+    with pytest.raises(
+        ValueError, match=r"mixer 'decoder\.0\.mixer' \(type 'attention'\): head_groups: tensor_parallel=2 must divide"
+    ):
+        build_part(
+            config,
+            name="decoder.0.mixer",
+            hidden_dim=TensorDim("hidden", 12),
+            distributed=SimpleNamespace(tensor_size=2),
+            lr_scale=1.0,
+        )

@@ -50,7 +50,7 @@ CASES = {
 REFUSED = [
     (
         {"state_size": 4, "xb_size": 4, "expand": 1},
-        r"mamba 'mixer': xb_size: tensor_parallel=2 must divide the x/B heads",
+        r"mixer 'mixer' \(type 'mamba'\): xb_size: tensor_parallel=2 must divide the x/B heads",
     )
 ]
 

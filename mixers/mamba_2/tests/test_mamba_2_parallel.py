@@ -41,7 +41,7 @@ CASES = {
 REFUSED = [
     (
         {"heads": 4, "head_size": 4, "groups": 1},
-        r"mamba_2 mixer 'mixer': groups: tensor_parallel=2 must divide groups",
+        r"mixer 'mixer' \(type 'mamba_2'\): groups: tensor_parallel=2 must divide groups",
     )
 ]
 

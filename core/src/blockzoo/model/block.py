@@ -12,8 +12,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from blockzoo.config import ConfigFieldError
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
+from blockzoo.layers.config import TENSOR_PARALLEL
 from blockzoo.layers.dims import TensorDim
 from blockzoo.model.config import DecoderBlockConfig
 from blockzoo.plugins import get_registry
@@ -22,7 +24,28 @@ from blockzoo.plugins import get_registry
 def build_part(config: Any, *, name: str, **kwargs: Any) -> nn.Module | None:
     """Build a mixer, MLP or normalization from its config through its registered implementation (None for `none`)."""
     implementation = get_registry().implementation_of(config)
-    return None if implementation is None else implementation(config, name=name, **kwargs)
+    if implementation is None:
+        return None
+    check_layout(config, name, kwargs["distributed"])
+    return implementation(config, name=name, **kwargs)
+
+
+def check_layout(config: Any, name: str, distributed: Distributed) -> None:
+    """Refuse, before a mixer or MLP is built, a tensor-parallel split its config cannot do: one it does not declare
+    (`capabilities`), or one its `check_tensor_parallel(n)` refuses. Here once for every plugin, so a layer never
+    has to call it (a run's config checks the same before anything is built)."""
+    size, capabilities = distributed.tensor_size, getattr(type(config), "capabilities", None)
+    if size == 1 or capabilities is None:
+        return
+    registry = get_registry(strict=False)
+    type_name = registry.name_of(type(config)) if registry.is_registered(type(config)) else type(config).__name__
+    what = f"{config.kind} {name!r} (type {type_name!r})"
+    if TENSOR_PARALLEL not in capabilities:
+        raise ValueError(f"{what} does not support tensor-parallel (tensor_parallel={size})")
+    try:
+        config.check_tensor_parallel(size)
+    except ConfigFieldError as error:
+        raise ValueError(f"{what}: {error.field_name}: {error.message}") from None
 
 
 def _not_a_view(tensor: torch.Tensor) -> torch.Tensor:

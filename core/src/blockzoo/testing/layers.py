@@ -27,6 +27,7 @@ from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch, Layer, Mixer, SequenceData, slice_batch, slice_losses
 from blockzoo.layers.dims import TensorDim
+from blockzoo.model.block import check_layout
 from blockzoo.plugins import get_registry
 
 DEFAULT_SEED = 1234
@@ -354,7 +355,8 @@ def _mismatch(actual: torch.Tensor, expected: torch.Tensor, tolerance: Mapping[s
 
 def _build(implementation: Any, config: Config, hidden_size: int, distributed: Distributed) -> Layer:
     """The layer of `config` built by `implementation`, a class the caller loaded (a gloo rank's registry does not hold
-    a plugin its parent registered in-process)."""
+    a plugin its parent registered in-process). The engine's layout check runs first, as when a model is built."""
+    check_layout(config, config.kind, distributed)
     return implementation(
         config, name=config.kind, hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1.0
     )

@@ -177,8 +177,8 @@ _GRADIENT_FIX = (
 )
 _FLOPS_FIX = "flops(batch) counts the work of all ranks together: it must not depend on the parallel layout."
 _REFUSAL_FIX = (
-    "A layout the layer cannot split must be refused when it is built, with a ValueError that names the field and "
-    "the layout (and by the config's check_tensor_parallel(n), so that a run is refused before anything is built)."
+    "A layout the layer cannot split must be refused by the config's check_tensor_parallel(n) (naming the field and "
+    "the layout): blockzoo calls it before a run starts and before the layer is built."
 )
 
 

@@ -22,7 +22,6 @@ from blockzoo.api import (
     Batch,
     CompositeTensorDim,
     ConcatenatedTensorDim,
-    ConfigFieldError,
     Distributed,
     InitializationConfig,
     Linear,
@@ -83,11 +82,6 @@ class Mamba2(Mixer):
     ):
         lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
-        try:
-            config.check_tensor_parallel(distributed.tensor_size)
-        except ConfigFieldError as error:
-            raise ValueError(f"mamba_2 mixer {name!r}: {error.field_name}: {error.message}") from None
-
         # Group-major dims: splitting the groups splits the heads, their channels and their B/C alike.
         group_dim = TensorDim("groups", config.groups, parallel=True)
         group_heads_dim = TensorDim("group_heads", config.heads // config.groups)
