@@ -47,7 +47,7 @@ REFUSED = {
     4: [
         (
             {"heads": 4, "head_groups": 2, "head_size": 8},
-            r"\(type .attention.\): head_groups: tensor_parallel=4 must divide head_groups \(2\) or the heads per group",
+            r"\(type .attention.\): head_groups: tensor_parallel=4 must divide head_groups \(2\) or the heads per",
         )
     ],
 }
