@@ -64,7 +64,12 @@ def test_listing_shows_every_plugin_and_its_status(site):
     assert acme["location"] == str(site / "blockzoo_test_acme")
     broken = plugins["broken:blockzoo-test-broken"]
     assert broken["status"] == "failed"
-    assert broken["error"] == "ImportError: libacme_kernels.so: cannot open shared object file (simulated)"
+    # Where it was raised: the plugin's own file and line.
+    raised_at = site / "blockzoo_test_broken" / "plugin.py"
+    assert (
+        broken["error"]
+        == f"ImportError: libacme_kernels.so: cannot open shared object file (simulated) ({raised_at}:1)"
+    )
     incompatible = plugins["incompatible:blockzoo-test-incompatible"]
     assert incompatible["status"] == "incompatible"  # a `failed` status would mean its module was imported
     assert incompatible["error"] == "requires blockzoo>=99, but blockzoo 0.1.0 is installed"

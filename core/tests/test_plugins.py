@@ -156,7 +156,9 @@ def test_broken_hooks_fail_the_plugin_not_the_host():
         raise RuntimeError("no kernels")
 
     broken = load(registry, "acme", "blockzoo-acme", register_mixers=explode)
-    assert broken.status == "failed" and broken.error == "RuntimeError: no kernels"
+    raised_at = f"{__file__}:{explode.__code__.co_firstlineno + 2}"  # the raise: the error says where it happened
+    assert broken.status == "failed" and broken.error == f"RuntimeError: no kernels ({raised_at})"
+    assert broken.traceback.startswith("Traceback") and 'raise RuntimeError("no kernels")' in broken.traceback
     typo = load(registry, "typo", "blockzoo-typo", register_mixer=lambda register: None)
     assert typo.status == "failed" and "register_mixer" in typo.error  # pluggy: unknown hook
     wrong_signature = load(registry, "sig", "blockzoo-sig", register_mlps=lambda register, extra: None)

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import re
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,7 @@ class PluginRecord:
     location: str | None = None
     status: str = "loaded"  # loaded | failed | incompatible | disabled
     error: str | None = None
+    traceback: str | None = attrs.field(default=None, repr=False)  # of a failure, for `blockzoo plugins --verbose`
     info: PluginInfo | None = None
     types: dict[str, list[str]] = attrs.field(factory=dict)
     conflicts: list[str] = attrs.field(factory=list)
@@ -384,12 +386,32 @@ class Registry:
 
     def _fail(self, module: Any, record: PluginRecord, status: str, error: BaseException | str) -> None:
         record.status = status
-        record.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if isinstance(error, str):
+            record.error = error
+        else:
+            record.error, record.traceback = describe_error(error), _traceback_text(error)
         if self.plugin_manager.is_registered(module):
             self.plugin_manager.unregister(module)
 
 
 _BAD = ("failed", "incompatible")
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message (file:line)`, the place being where it was raised: the line of a syntax error, else the last
+    frame of the traceback that is a real file (not importlib's frozen frames)."""
+    place = None
+    if isinstance(error, SyntaxError) and error.filename:
+        place = f"{error.filename}:{error.lineno}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
+        if frames:
+            place = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"{type(error).__name__}: {error}" + (f" ({place})" if place else "")
+
+
+def _traceback_text(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
 def _hook(module: Any, name: str) -> Callable | None:
@@ -518,7 +540,8 @@ def discover(environ: Mapping[str, str] | None = None) -> Registry:
         except BaseException as error:
             if isinstance(error, KeyboardInterrupt):
                 raise
-            record.status, record.error = "failed", f"{type(error).__name__}: {error}"
+            record.status, record.error = "failed", describe_error(error)
+            record.traceback = _traceback_text(error)
             registry.plugins[_unique_key(registry.plugins, record.name)] = record
             continue
         registry.add_plugin(module, record)
