@@ -146,6 +146,8 @@ def greater_than(minimum: float) -> Any:
 
 
 def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
     return f"{value!r} ({type(value).__name__})"
 
 
@@ -209,6 +211,8 @@ def _structure_str(value: Any, _: type) -> str:
 def _key_problem(key: Any) -> str:
     """Why a mapping key that is not a string is refused (YAML 1.1 reads unquoted `on`, `no`, `1` as bool or int)."""
     message = f"the key {_describe(key)} is not a string"
+    if key is None:
+        return f"{message}: YAML reads an unquoted null or ~ as null; quote the key"
     if isinstance(key, bool):
         spelled = "on/yes/true" if key else "off/no/false"
         return f"{message}: YAML reads an unquoted {spelled} as {str(key).lower()}; quote the key ('{spelled[:2]}')"

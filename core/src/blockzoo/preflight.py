@@ -78,10 +78,28 @@ def _run(problems: list[tuple[str, str]], path: str, check) -> object:
     return None
 
 
-def _check_model(run_config: RunConfig, problems, checked: list[str], not_checked: list[str]) -> int | None:
+def model_on_meta_device(run_config: RunConfig):
+    """The model as one process builds it (global shapes), on the meta device: no memory, no initialization. A layer
+    refusing its config, or a tensor too large to index, is a `ConfigError` at `model`; the ranks' shards are checked
+    by the layers' `check_tensor_parallel` when the config is structured."""
     from blockzoo.distributed.runtime import Distributed
-    from blockzoo.model.factory import with_pretrained_config
     from blockzoo.model.size import meta_model
+
+    alone = attrs.evolve(
+        run_config.distributed,
+        tensor_parallel=1,
+        sequence_data_parallel=1,
+        pipeline_parallel=1,
+        pipeline_schedule="1f1b",
+        pipeline_stages_per_rank=1,
+        pipeline_split=None,
+        backend="gloo",
+    )
+    return meta_model(run_config.model, Distributed(alone, world_size=1, rank=0))
+
+
+def _check_model(run_config: RunConfig, problems, checked: list[str], not_checked: list[str]) -> int | None:
+    from blockzoo.model.factory import with_pretrained_config
 
     if run_config.model.pretrained is not None:
         run_config = _run(
@@ -91,24 +109,12 @@ def _check_model(run_config: RunConfig, problems, checked: list[str], not_checke
             return None
         checked.append("the pretrained checkpoint's config")
         not_checked.append("the pretrained checkpoint's weights (read when the run starts)")
-    distributed = run_config.distributed
-    # One process's model (global shapes): the ranks' shards are checked by the layers' check_tensor_parallel.
-    alone = attrs.evolve(
-        distributed,
-        tensor_parallel=1,
-        sequence_data_parallel=1,
-        pipeline_parallel=1,
-        pipeline_schedule="1f1b",
-        pipeline_stages_per_rank=1,
-        pipeline_split=None,
-        backend="gloo",
-    )
-    model = _run(problems, "model", lambda: meta_model(run_config.model, Distributed(alone, world_size=1, rank=0)))
+    model = _run(problems, "model", lambda: model_on_meta_device(run_config))
     if model is None:
         return None
     count = sum(parameter.numel() for parameter in model.parameters())
     checked.append(f"the model, built on the meta device: {count:,} parameters ({count * 4 / 2**30:,.2f} GiB in fp32)")
-    if distributed.model_parallel > 1:
+    if run_config.distributed.model_parallel > 1:
         not_checked.append("each rank's part of the model (built when the ranks start)")
     return count
 
@@ -148,7 +154,15 @@ def _check_data(run_config: RunConfig, data_parallel: int, problems, checked: li
     if name not in ("embedded", "random"):
         not_checked.append(f"the {name} dataset (built when training starts)")
         return
+    import torch
+
     from blockzoo.data.dataset import build_dataset
+    from blockzoo.model.size import device_memory
+
+    tokens = data.micro_batch_size * data.sequence_length
+    if tokens * 8 > device_memory(torch.device("cpu")) // 4:  # int64 tokens, within a quarter of this machine
+        not_checked.append(f"the {name} data (a micro-batch of {tokens} tokens is too large to take one here)")
+        return
 
     def build_and_take_batches() -> None:
         dataset = build_dataset(

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from blockzoo.config import Config, ConfigFieldError, PolymorphicConfig, at_least, check, configclass, field, structure
+from blockzoo.config import (
+    Config,
+    ConfigFieldError,
+    PolymorphicConfig,
+    at_least,
+    at_most,
+    check,
+    configclass,
+    field,
+    structure,
+)
 from blockzoo.layers.config import MixerConfig, MLPConfig, NormalizationConfig, ParameterConfig
 from blockzoo.peft.config import PeftConfig
+
+# Layers are Python modules, built one by one (even on the meta device): far more than any model has would take
+# hours to build before a size check could refuse them.
+MAX_BLOCKS = 10_000
 
 
 def _default_of(kind_base: type[PolymorphicConfig], path: str):
@@ -55,7 +69,9 @@ class FixedBlockSequenceConfig(BlockSequenceConfig):
     """One block configuration repeated `num_blocks` times."""
 
     block: BlockConfig = field(factory=_default_of(BlockConfig, "block"), doc="The block, repeated.")
-    num_blocks: int = field(12, doc="Number of layers.", validator=at_least(1))
+    num_blocks: int = field(
+        12, doc=f"Number of layers, at most {MAX_BLOCKS}.", validator=[at_least(1), at_most(MAX_BLOCKS)]
+    )
 
     def expanded_blocks(self) -> list[tuple[str, BlockConfig]]:
         return [("block", self.block)] * self.num_blocks
@@ -67,7 +83,11 @@ class PatternBlockSequenceConfig(BlockSequenceConfig):
 
     blocks: dict[str, BlockConfig] = field(factory=dict, doc="The named blocks.")
     pattern: list[str] = field(factory=list, doc="Block names in layer order; repeats to fill num_blocks.")
-    num_blocks: int | None = field(None, doc="Number of layers; None: the pattern's length.", validator=at_least(1))
+    num_blocks: int | None = field(
+        None,
+        doc=f"Number of layers, at most {MAX_BLOCKS}; None: the pattern's length.",
+        validator=[at_least(1), at_most(MAX_BLOCKS)],
+    )
 
     def __attrs_post_init__(self) -> None:
         check(bool(self.pattern), "pattern", "must name at least one block")
