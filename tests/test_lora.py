@@ -1,7 +1,7 @@
 """LoRA through `apply_peft` on the first-party layers and a third-party plugin's: which linears get adapters (parents'
 defaults, overrides, the parts of concatenated linears), that only adapters train (no gradient, no optimizer state
 for the base; lr_scale and weight decay follow the linear), merge and unmerge against the adapters' forward, and the
-refusal of a `peft` that adapts nothing. Against peft + transformers: converters/huggingface/tests/test_lora.py."""
+refusal of a `peft` that adapts nothing. Against peft + transformers: converters/huggingface/tests/test_lora_peft.py."""
 
 from __future__ import annotations
 

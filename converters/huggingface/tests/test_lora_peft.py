@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from format_checks import random_model
-from hf_cases import _ATTENTION, TOKENS, hf_logits, load_hf, our_logits, transformers_model
+from hf_cases import _ATTENTION, CASES, TOKENS, hf_logits, load_hf, our_logits, transformers_model
 from hf_cases_mamba2 import CASES as MAMBA2_CASES
 
 import blockzoo
@@ -241,3 +241,21 @@ def test_the_lora_example_fine_tunes_a_llama_and_its_adapters_load_in_peft(tmp_p
     save_adapters(tuned, tmp_path / "adapters", "llama", base_model=str(base))
     theirs = peft.PeftModel.from_pretrained(load_hf(base), tmp_path / "adapters").eval()
     torch.testing.assert_close(theirs(input_ids=TOKENS).logits, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("case", ["mistral", "qwen2", "mixtral", "qwen3_moe"])
+def test_adapters_of_every_attention_format_load_in_peft(case, tmp_path):
+    """Query and value adapters of each format's tiny model: exported, peft loads them onto the transformers model
+    with our logits."""
+    format_name, class_name, config = CASES[case]
+    transformers_model(class_name, config).save_pretrained(tmp_path / "base")
+    model = {"pretrained": str(tmp_path / "base"), "peft": {"type": "lora", "rank": RANK, "alpha": ALPHA}}
+    ours = blockzoo.build({"model": model})
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _, adapter in adapters(ours):
+            for b in adapter.lora_b.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+    save_adapters(ours, tmp_path / "adapters", format_name)
+    theirs = peft.PeftModel.from_pretrained(load_hf(tmp_path / "base"), tmp_path / "adapters").eval()
+    torch.testing.assert_close(theirs(input_ids=TOKENS).logits, our_logits(ours), **TOLERANCE)
