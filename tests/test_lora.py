@@ -14,14 +14,18 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import blockzoo
-from blockzoo.config import ConfigError
+from blockzoo.checkpoint import latest_checkpoint
+from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch
 from blockzoo.peft.apply import adapters, merge_adapters, unmerge_adapters
 from blockzoo.peft.config import LoraConfig
+from blockzoo.run_config import RunConfig
 from blockzoo.training.config import AdamWConfig
 from blockzoo.training.optimizer import AdamW
+from blockzoo.training.trainer import Trainer
 
 VOCAB, LENGTHS = 64, [7, 5]
 LORA = {"type": "lora", "rank": 3, "alpha": 6.0}
@@ -222,3 +226,48 @@ def test_the_memory_benchmark_counts_the_adapters_only(tmp_path):
         assert result["gradient_bytes"] == 4 * result["trainable"]
         assert result["optimizer_bytes"] >= 8 * result["trainable"]
     assert lora["optimizer_bytes"] < full["optimizer_bytes"] / 10
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt_after_a_checkpoint(message: str) -> None:
+    if message.startswith("saved checkpoint"):
+        raise Interrupted
+
+
+def test_a_lora_run_resumes_exactly(tmp_path):
+    """Interrupted after its step-2 checkpoint and resumed: the losses of steps 3-4 and the final adapters (and
+    base) of the straight run, bit for bit; the optimizer state holds the adapters only."""
+
+    def run_config(output_dir: Path):
+        model = {
+            "hidden_size": 32,
+            "embeddings": {"vocab_size": 257},
+            "decoder": {"num_blocks": 2, "block": {"mixer": ATTENTION, "mlp": MLP}},
+            "peft": {**LORA, "dropout": 0.1},  # the dropout masks' random state is resumed too
+        }
+        data = {"type": "embedded", "num_documents": 8, "sequence_length": 32, "micro_batch_size": 2}
+        training = {
+            "train_iters": 4,
+            "checkpoint_interval": 2,
+            "optimizer": {"learning_rate": 0.01},
+            "schedule": {"warmup_iters": 1, "decay": "cosine"},
+            "evaluation": {"interval": None},
+            "output_dir": str(output_dir),
+        }
+        return structure({"model": model, "data": data, "training": training}, RunConfig)
+
+    straight = Trainer(run_config(tmp_path / "straight"), log=lambda _: None)
+    straight.run()
+    with pytest.raises(Interrupted):
+        Trainer(run_config(tmp_path / "resumed"), log=_interrupt_after_a_checkpoint).run()
+    resumed = Trainer(run_config(tmp_path / "resumed"), log=lambda _: None)
+    second_half = resumed.run()
+    assert [record.loss for record in second_half] == [record.loss for record in straight.history[2:]]
+    expected = dict(straight.model.named_parameters())
+    for name, parameter in resumed.model.named_parameters():
+        assert torch.equal(parameter, expected[name]), name
+    optimizer = load_file(latest_checkpoint(tmp_path / "resumed") / "optimizer.safetensors")
+    assert optimizer and all(".adapter." in name for name in optimizer)
