@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
     with uninitialized():
         model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
-    load_checkpoint(directory, model=model, distributed=model.distributed)
+    load_checkpoint(
+        directory, model=model, distributed=model.distributed, model_source=f"the model of {directory / 'config.yaml'}"
+    )
     model.origin = read_origin(directory)
     return model
 
@@ -229,7 +232,12 @@ def _foreign_format(path: Path) -> CheckpointFormat | None:
 def _checkpoint_directory(path: Path) -> Path:
     if (path / "metadata.yaml").is_file():
         return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
+    # A newer checkpoint that fails verification is skipped for the one before it, and said (on stderr).
+    latest = (
+        latest_checkpoint(path, report=lambda skipped: print(f"blockzoo: {skipped}", file=sys.stderr))
+        if path.is_dir()
+        else None
+    )
     if latest is None:
         raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")
     return latest

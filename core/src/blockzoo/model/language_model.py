@@ -25,6 +25,7 @@ from torch import nn
 from blockzoo.conversion import Origin
 from blockzoo.distributed.ops import gather_tokens, reduce_from_tensor_region, reduce_scatter_tokens
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.errors import UsageError
 from blockzoo.layers.base import Batch, slice_losses
 from blockzoo.layers.config import NormalInitializationConfig
 from blockzoo.layers.cross_entropy import linear_cross_entropy
@@ -309,7 +310,8 @@ class LanguageModel(nn.Module):
         """New tokens for each prompt: greedy when `temperature` is 0, else sampled (optionally from the top k); a
         sequence ends with its `stop_token` (one id, or any of several).
 
-        Each mixer keeps its own state (KV cache, SSM state), so every step runs one token per sequence.
+        Each mixer keeps its own state (KV cache, SSM state), so every step runs one token per sequence. Logits that
+        are not finite (a diverged model) are refused with a `UsageError`, never turned into tokens.
         """
         if self.distributed.sequence_tensor_parallel:
             raise ValueError("generation does not support sequence-tensor-parallel; use tensor_parallel only")
@@ -328,6 +330,11 @@ class LanguageModel(nn.Module):
         stop_tokens = [stop_token] if isinstance(stop_token, int) else list(stop_token or ())
         stop_tokens = torch.tensor(stop_tokens, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
+            if not bool(torch.isfinite(logits).all()):
+                raise UsageError(
+                    f"the model's logits are not finite (nan or inf) for new token {step + 1}: its weights are "
+                    "unusable (did its training diverge?)"
+                )
             next_tokens = _pick(logits.float(), temperature, top_k, generator)
             for index, token in enumerate(next_tokens.tolist()):
                 if not finished[index]:
