@@ -214,8 +214,8 @@ def _key_problem(key: Any) -> str:
     if key is None:
         return f"{message}: YAML reads an unquoted null or ~ as null; quote the key"
     if isinstance(key, bool):
-        spelled = "on/yes/true" if key else "off/no/false"
-        return f"{message}: YAML reads an unquoted {spelled} as {str(key).lower()}; quote the key ('{spelled[:2]}')"
+        spelled, example = ("on/yes/true", "on") if key else ("off/no/false", "off")
+        return f"{message}: YAML reads an unquoted {spelled} as {str(key).lower()}; quote the key (e.g. '{example}')"
     return f"{message}; quote it in YAML ('{key}')"
 
 
