@@ -1,0 +1,113 @@
+"""Greedy generation on the CPU: `blockzoo`'s `LanguageModel.generate` against transformers' `generate` on the same
+exported weights (a Llama-format directory written by `blockzoo.save(..., format="llama")`), fp32, batch of one.
+
+    python benchmarks/generate.py [--config examples/demo.yaml] [--new-tokens 300] [--repeats 2]
+
+Each contender runs in a fresh process (so its peak resident memory is its own): it loads the directory, generates
+`--new-tokens` tokens from the same prompt (best of `--repeats`), and reports seconds, tokens/s, peak RSS and its
+tokens. Printed: both figures, the ratio (> 1: blockzoo is faster) and how many leading tokens agree (greedy decoding
+of the same weights: they agree until float rounding tips a near tie). The model is the config's, randomly
+initialized with its seed (the demo's by default: a 4-block transformer of hidden size 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PROMPT = list(b"Once upon a time")
+
+
+def run_contender(name: str, directory: str, new_tokens: int, repeats: int) -> dict:
+    """In this process: load `directory` with `name`'s library, generate, and return the figures."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "blockzoo":
+        import blockzoo
+
+        model = blockzoo.load(directory)
+
+        def generate() -> list[int]:
+            return model.generate([PROMPT], new_tokens)[0]
+
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        prompt = torch.tensor([PROMPT])
+
+        def generate() -> list[int]:
+            output = model.generate(
+                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+            return output[0, len(PROMPT) :].tolist()
+
+    model.eval()
+    seconds = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = generate()
+            seconds.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"seconds": min(seconds), "tokens": tokens, "peak_bytes": peak, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).parent.parent / "examples" / "demo.yaml"))
+    parser.add_argument("--new-tokens", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--contender", choices=["blockzoo", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--directory", help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.contender:  # a child: one contender, its figures as JSON on stdout
+        figures = run_contender(arguments.contender, arguments.directory, arguments.new_tokens, arguments.repeats)
+        print(json.dumps(figures))
+        return
+
+    import blockzoo
+
+    with tempfile.TemporaryDirectory() as directory:
+        model = blockzoo.build(arguments.config)
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        blockzoo.save(model, directory, format="llama")
+        del model
+        results = {}
+        for name in ("blockzoo", "transformers"):
+            command = [sys.executable, __file__, "--contender", name, "--directory", directory]
+            command += ["--new-tokens", str(arguments.new_tokens), "--repeats", str(arguments.repeats)]
+            completed = subprocess.run(command, capture_output=True, text=True, check=False)
+            if completed.returncode != 0:
+                sys.exit(f"{name} failed:\n{completed.stderr[-3000:]}")
+            results[name] = json.loads(completed.stdout.strip().splitlines()[-1])
+    ours, theirs = results["blockzoo"], results["transformers"]
+    agree = next(
+        (index for index, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"], strict=True)) if a != b),
+        len(ours["tokens"]),
+    )
+    print(
+        f"{arguments.config}: {parameters / 1e6:.2f}M parameters, fp32, CPU ({ours['threads']} threads), "
+        f"{arguments.new_tokens} new tokens, greedy, best of {arguments.repeats}"
+    )
+    for name, figures in results.items():
+        rate, peak = arguments.new_tokens / figures["seconds"], figures["peak_bytes"] / 2**20
+        print(f"  {name}: {figures['seconds']:.2f} s, {rate:.0f} tokens/s, peak RSS {peak:.0f} MiB")
+    print(f"  speed blockzoo / transformers: {theirs['seconds'] / ours['seconds']:.2f}x")
+    print(f"  memory blockzoo / transformers: {ours['peak_bytes'] / theirs['peak_bytes']:.2f}x")
+    print(f"  the first {agree} of {arguments.new_tokens} tokens agree")
+
+
+if __name__ == "__main__":
+    main()
