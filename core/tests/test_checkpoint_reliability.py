@@ -613,3 +613,21 @@ def test_every_rank_stops_at_the_step_boundary_where_one_rank_heard_the_signal(t
     assert run_dirs(tmp_path) == ["rank_0.json", "rank_1.json", "step_2"]
     metadata = yaml.safe_load((tmp_path / "step_2" / "metadata.yaml").read_text())
     assert len(metadata["extra"]["random_states"]) == 2  # each rank's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_random_states_on_a_gpu_round_trip_through_the_metadata(tmp_path):
+    """The CUDA generator and the jitter generator (made on the GPU) are saved and restored."""
+    config = configure(
+        tmp_path, "model.hidden_size=32", f"model.decoder={json.dumps(HYBRID)}", "distributed.backend=nccl"
+    )
+    with Trainer(config, log=quiet) as trainer:
+        (_, generator), *_ = random_state.module_generators(trainer.model)
+        assert generator.device.type == "cuda"
+        states = yaml.safe_load(yaml.safe_dump(random_state.random_states(trainer.model, trainer.distributed)))
+        expected = torch.rand(5, device="cuda"), torch.rand(5, device="cuda", generator=generator)
+        torch.rand(7, device="cuda"), torch.rand(7, device="cuda", generator=generator)  # the states move on
+        assert random_state.restore_random_states(trainer.model, trainer.distributed, states) is None
+        assert torch.equal(torch.rand(5, device="cuda"), expected[0])
+        assert torch.equal(torch.rand(5, device="cuda", generator=generator), expected[1])
