@@ -259,6 +259,23 @@ def test_interrupted_pruning_never_leaves_a_directory_that_looks_complete(tmp_pa
     assert run_dirs(tmp_path) == ["step_3"]  # the leftover is removed too
 
 
+def test_an_interrupted_replacement_puts_the_previous_checkpoint_back(copy, monkeypatch):
+    model = blockzoo.load(copy)  # saved over step_1 (as after a fallback), interrupted between the two renames
+    rename = Path.rename
+
+    def interrupted(self, target):
+        if self.name == ".step_1.partial":
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        blockzoo.save(model, copy)
+    monkeypatch.undo()
+    assert run_dirs(copy.parent) == ["step_1"]
+    verify_checkpoint(copy)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 9. A corrupted latest checkpoint, a step directory that is not a checkpoint
 

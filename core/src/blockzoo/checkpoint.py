@@ -419,7 +419,11 @@ def _replace(source: Path, target: Path) -> None:
     if previous.exists():
         shutil.rmtree(previous)
     target.rename(previous)
-    source.rename(target)
+    try:
+        source.rename(target)
+    except BaseException:  # (a second stop signal, ...) the previous checkpoint goes back, not lost from view
+        previous.rename(target)
+        raise
     shutil.rmtree(previous)
 
 
