@@ -491,7 +491,8 @@ def test_the_train_command_trains_and_writes_a_checkpoint(tmp_path):
 
 
 def test_the_train_command_stops_on_a_non_finite_loss(tmp_path, capsys):
-    infinite = "model.head.output_weight.initialization={type: fill, value: .inf}"
+    # A finite weight (configs refuse inf) whose logits overflow float32.
+    infinite = "model.head.output_weight.initialization={type: fill, value: 1.0e+38}"
     assert cli.main(["train", str(write_config(tmp_path)), infinite]) == 1
     error = capsys.readouterr().err
     assert error == "blockzoo: error: the loss is nan at step 1; stopping, no checkpoint was written\n"
