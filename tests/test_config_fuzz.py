@@ -1,7 +1,7 @@
 """A property-based config fuzzer over the schema of every installed plugin (the example plugin's included).
 
-Valid run configs (the examples, and a tiny model per registered mixer, MLP, normalization, block sequence and
-dataset type) are mutated: wrong scalar types, nan / inf (and the strings that float() reads as them), huge,
+Valid run configs (the examples, and a tiny model per registered mixer, MLP, normalization, PEFT and dataset type,
+and a pattern of blocks) are mutated: wrong scalar types, nan / inf (and the strings that float() reads as them), huge,
 negative and zero numbers, wrong containers, keys that are not strings (YAML's `on`), unknown keys, missing keys,
 and a polymorphic `type` swapped for another registered one (of any kind) or an unknown one. Every mutated config
 must either be refused with a `ConfigError` whose every problem names a field path in words (no raw Python message),
@@ -81,6 +81,8 @@ def _base_configs() -> list[dict[str, Any]]:
             candidates.append(_tiny({"mlp": {"type": entry.name}}))
         elif entry.kind == "normalization":
             candidates.append(_tiny({"normalization": {"type": entry.name}}))
+        elif entry.kind == "peft":
+            candidates.append({**TINY, "model": {**TINY["model"], "peft": {"type": entry.name}}})
         elif entry.kind == "dataset" and entry.name != "memmap":  # memmap needs files: its fields come with TINY's
             model = {**TINY["model"], "embeddings": {"vocab_size": 257}}  # the embedded corpus's byte ids
             candidates.append({**TINY, "model": model, "data": {"type": entry.name, "sequence_length": 16}})
