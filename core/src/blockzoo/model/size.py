@@ -63,6 +63,10 @@ def check_fits(run_config: RunConfig, distributed: Distributed, *, training: boo
     """Refuse (a `ConfigError` naming the fields) a run whose parameters alone, or (when `training`) whose step's
     token batches or one micro-batch's hidden state, exceed the memory of this rank's device. Returns the bytes of
     this rank's parameters."""
+    if run_config.model.pretrained is not None:  # the checkpoint's architecture (its config: a small file)
+        from blockzoo.model.factory import with_pretrained_config
+
+        run_config = with_pretrained_config(run_config, run_config.model.pretrained)
     memory = device_memory(distributed.device)
     where = f"{distributed.device.type} memory ({_gib(memory)})"
     model = meta_model(run_config.model, distributed)
