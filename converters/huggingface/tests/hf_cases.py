@@ -147,6 +147,13 @@ CASES = {
 }
 
 
+# A shared MLP of its own width, no multiple of the routed experts' 32 (transformers accepts any width).
+CASES["qwen2_moe-shared-width"] = (
+    *CASES["qwen2_moe"][:2],
+    {**CASES["qwen2_moe"][2], "shared_expert_intermediate_size": 40},
+)
+
+
 def format_of(case: str) -> str:
     return CASES[case][0]
 

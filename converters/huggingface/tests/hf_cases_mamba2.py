@@ -132,5 +132,12 @@ CASES = {
 }
 
 
+# A shared MLP of its own width, 1.5 routed experts (transformers accepts any width).
+CASES["nemotron_h_moe-shared-width"] = (
+    *CASES["nemotron_h_moe"][:2],
+    {**CASES["nemotron_h_moe"][2], "moe_shared_expert_intermediate_size": 24},
+)
+
+
 def format_of(case: str) -> str:
     return CASES[case][0]

@@ -206,7 +206,10 @@ def _export(format_name: str, data: dict) -> dict:
     [
         ({"mlp_bias": True}, r"decoder.1.mlp: `mlp_bias` = true with MoE layers: NemotronH's shared experts then"),
         ({"moe_latent_size": 8}, r"decoder.1.mlp: `moe_latent_size` = 8 is not supported \(only None\)"),
-        ({"moe_shared_expert_intermediate_size": 24}, r"must be a positive multiple of `moe_intermediate_size` \(16\)"),
+        (
+            {"moe_shared_expert_intermediate_size": 0},
+            r"`moe_shared_expert_intermediate_size` = 0: the shared experts need",
+        ),
     ],
 )
 def test_nemotron_h_experts_blockzoo_cannot_express_are_refused(hf_directories, tmp_path, changes, message):

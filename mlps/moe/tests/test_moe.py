@@ -50,6 +50,8 @@ SHARED = {
     "none": {},
     "two shared": {"shared_experts": 2},
     "two shared, gated": {"shared_experts": 2, "shared_expert_gate": RANDOM_BIAS | {"bias": {"enabled": True}}},
+    # Qwen2-MoE / NemotronH: a shared MLP whose width is no multiple of the experts'.
+    "one shared of its own width": {"shared_experts": 1, "shared_intermediate_size": INTERMEDIATE + 5},
 }
 
 
@@ -320,6 +322,7 @@ FIELD_CHANGES = {
     "experts_per_token": {"experts_per_token": 1},
     "shared_experts": {"shared_experts": 2},
     "shared_expert_gate": {"shared_expert_gate": {}},
+    "shared_intermediate_size": {"shared_intermediate_size": INTERMEDIATE + 5},
     "intermediate_size": {"intermediate_size": 2 * INTERMEDIATE},
     "gated": {"gated": False},
     "activation": {"activation": "relu"},
@@ -409,6 +412,8 @@ def test_flops_count_the_active_experts():
         ({"experts": 0}, "experts", "must be >= 1"),
         ({"shared_experts": -1}, "shared_experts", "must be >= 0"),
         ({"shared_expert_gate": {}}, "shared_expert_gate", "gates the shared experts, but shared_experts is 0"),
+        ({"shared_intermediate_size": 8}, "shared_intermediate_size", "the shared experts, but shared_experts is 0"),
+        ({"shared_experts": 1, "shared_intermediate_size": 0}, "shared_intermediate_size", "must be >= 1"),
         ({"gated": False, "gate": {"lr_scale": 0.5}}, "gate", "only gated experts have a gate projection"),
         ({"routing": "top_k_softmax", "norm_topk_prob": False}, "norm_topk_prob", "always sums to 1"),
         ({"routing": "sinkhorn"}, "routing", "expected one of 'softmax_top_k', 'top_k_softmax', 'sigmoid_top_k'"),

@@ -45,6 +45,7 @@ LAYER_CONFIGS = {
         **{name: RANDOM_BIAS for name in ("gate", "up", "down")},
         "shared_experts": 1,
         "shared_expert_gate": {},
+        "shared_intermediate_size": INTERMEDIATE + 2,  # a shared MLP of its own width
     },
     "ungated, top-k then softmax": {**BASE, "gated": False, "routing": "top_k_softmax"},
     "sigmoid over groups": {**BASE, "routing": "sigmoid_top_k", "routing_groups": 2, "score_correction_bias": True},

@@ -37,10 +37,11 @@ CONFIGS = {
         "gated": False,
         "routing": "top_k_softmax",
     },
-    "softmax top-k without renormalization, one shared expert": {
+    "softmax top-k without renormalization, one shared expert of its own width": {
         **BASE,
         "norm_topk_prob": False,
         "shared_experts": 1,
+        "shared_intermediate_size": 10,  # no multiple of the experts' 12; split 5 + 5 over two ranks
     },
     "sigmoid over groups, scaled, one shared expert": {
         **BASE,

@@ -48,8 +48,15 @@ class MoEMLPConfig(MLPConfig):
     shared_experts: int = field(
         0,
         doc="Experts every token goes through, unweighted (Qwen2-MoE, DeepSeek). Stored as one MLP of width "
-        "shared_experts · intermediate_size.",
+        "shared_experts · intermediate_size (or `shared_intermediate_size`).",
         validator=at_least(0),
+    )
+    shared_intermediate_size: int | None = field(
+        None,
+        doc="Width of the hidden layer of the shared MLP (all shared experts as one), any width: Qwen2-MoE's "
+        "`shared_expert_intermediate_size`, NemotronH's `moe_shared_expert_intermediate_size`. None: "
+        "shared_experts · intermediate_size. Needs shared_experts >= 1.",
+        validator=at_least(1),
     )
     shared_expert_gate: LinearConfig | None = field(
         None,
@@ -147,6 +154,11 @@ class MoEMLPConfig(MLPConfig):
             "gates the shared experts, but shared_experts is 0",
         )
         check(
+            self.shared_intermediate_size is None or self.shared_experts > 0,
+            "shared_intermediate_size",
+            "sets the width of the shared experts, but shared_experts is 0",
+        )
+        check(
             self.routing != "top_k_softmax" or self.norm_topk_prob,
             "norm_topk_prob",
             "routing top_k_softmax always sums to 1 over the selected experts; use routing softmax_top_k",
@@ -192,6 +204,15 @@ class MoEMLPConfig(MLPConfig):
     def group_size(self) -> int:
         return self.experts // self.routing_groups
 
+    @property
+    def shared_width(self) -> int:
+        """The hidden width of the shared MLP (0 without shared experts)."""
+        if not self.shared_experts:
+            return 0
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.shared_experts * self.intermediate_size
+
     def check_expert_parallel(self, data_parallel: int, tensor_parallel: int) -> None:
         """Raise if the experts cannot be split between `data_parallel` ranks (with `expert_parallel`)."""
         if not self.expert_parallel:
@@ -213,6 +234,11 @@ class MoEMLPConfig(MLPConfig):
             self.intermediate_size % tensor_parallel == 0,
             "intermediate_size",
             f"tensor_parallel={tensor_parallel} must divide it ({self.intermediate_size})",
+        )
+        check(
+            self.shared_width % tensor_parallel == 0,
+            "shared_intermediate_size",
+            f"tensor_parallel={tensor_parallel} must divide the shared experts' width ({self.shared_width})",
         )
 
     def has_bias(self, linear: LinearConfig) -> bool:

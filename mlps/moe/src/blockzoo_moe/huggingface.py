@@ -127,6 +127,7 @@ MIXTRAL = Section(
         Rename("experts_per_token", "num_experts_per_tok"),
         Constant("shared_experts", 0),
         Constant("shared_expert_gate", None),
+        Constant("shared_intermediate_size", None),
         Rename("intermediate_size", "intermediate_size"),
         Constant("gated", True),
         transformers_activation("hidden_act"),
@@ -157,14 +158,19 @@ _QWEN_NAMES = {
 }
 
 
+def _shared_width_fields(key: str, width: int, expert: int) -> dict[str, Any]:
+    """Our shared experts for a shared MLP of `width`: whole experts of the routed width when it is a multiple of it,
+    else one MLP of its own width."""
+    if width <= 0:
+        raise ConversionError(f"`{key}` = {width}: the shared experts need a positive width")
+    if width % expert == 0:
+        return {"shared_experts": width // expert, "shared_intermediate_size": None}
+    return {"shared_experts": 1, "shared_intermediate_size": width}
+
+
 def _import_shared(data: Mapping[str, Any]) -> dict[str, Any]:
     width, expert = data.get("shared_expert_intermediate_size", 5632), data["moe_intermediate_size"]
-    if width <= 0 or width % expert:
-        raise ConversionError(
-            f"`shared_expert_intermediate_size` = {width} must be a positive multiple of `moe_intermediate_size` "
-            f"({expert}): blockzoo's shared experts are experts of the same width"
-        )
-    return {"shared_experts": width // expert, "shared_expert_gate": {}}
+    return {**_shared_width_fields("shared_expert_intermediate_size", width, expert), "shared_expert_gate": {}}
 
 
 def _export_shared(config: MoEMLPConfig) -> dict[str, Any]:
@@ -173,21 +179,25 @@ def _export_shared(config: MoEMLPConfig) -> dict[str, Any]:
             f"shared_experts = {config.shared_experts}, shared_expert_gate = {config.shared_expert_gate}: Qwen2-MoE "
             "has gated shared experts in every MoE layer"
         )
-    return {"shared_expert_intermediate_size": config.shared_experts * config.intermediate_size}
+    return {"shared_expert_intermediate_size": config.shared_width}
 
 
 def _qwen_section(*, shared: bool, experts_key: str) -> Section:
     shared_mappings = (
         (
             Computed(
-                ("shared_experts", "shared_expert_gate"),
+                ("shared_experts", "shared_expert_gate", "shared_intermediate_size"),
                 ("shared_expert_intermediate_size",),
                 import_=_import_shared,
                 export=_export_shared,
             ),
         )
         if shared
-        else (Constant("shared_experts", 0), Constant("shared_expert_gate", None))
+        else (
+            Constant("shared_experts", 0),
+            Constant("shared_expert_gate", None),
+            Constant("shared_intermediate_size", None),
+        )
     )
     return Section(
         config_class=MoEMLPConfig,
@@ -241,6 +251,7 @@ JAMBA = Section(
         Rename("experts_per_token", "num_experts_per_tok"),
         Constant("shared_experts", 0),
         Constant("shared_expert_gate", None),
+        Constant("shared_intermediate_size", None),
         Rename("intermediate_size", "intermediate_size"),
         Constant("gated", True),
         transformers_activation("hidden_act"),
@@ -262,18 +273,13 @@ JAMBA = Section(
 
 def _import_nemotron_shared(data: Mapping[str, Any]) -> dict[str, Any]:
     width, expert = data.get("moe_shared_expert_intermediate_size", 7688), data.get("moe_intermediate_size", 7688)
-    if width <= 0 or width % expert:
-        raise ConversionError(
-            f"`moe_shared_expert_intermediate_size` = {width} must be a positive multiple of `moe_intermediate_size` "
-            f"({expert}): blockzoo's shared experts are experts of the same width"
-        )
-    return {"shared_experts": width // expert}
+    return _shared_width_fields("moe_shared_expert_intermediate_size", width, expert)
 
 
 def _export_nemotron_shared(config: MoEMLPConfig) -> dict[str, Any]:
     if not config.shared_experts:
         raise ConversionError("shared_experts = 0: NemotronH has shared experts in every MoE layer")
-    return {"moe_shared_expert_intermediate_size": config.shared_experts * config.intermediate_size}
+    return {"moe_shared_expert_intermediate_size": config.shared_width}
 
 
 def _import_nemotron_biases(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -301,7 +307,7 @@ NEMOTRON_H = Section(
         Rename("experts_per_token", "num_experts_per_tok", default=2),
         Rename("intermediate_size", "moe_intermediate_size", default=7688),
         Computed(
-            ("shared_experts",),
+            ("shared_experts", "shared_intermediate_size"),
             ("moe_shared_expert_intermediate_size",),
             import_=_import_nemotron_shared,
             export=_export_nemotron_shared,

@@ -291,8 +291,8 @@ class MoEMLP(MLP):
             setattr(self, projection, module)
 
         if config.shared_experts:
-            # All the shared experts are one MLP of their summed width: the sum of their outputs.
-            width = config.shared_experts * config.intermediate_size
+            # All the shared experts are one MLP of their summed width (the sum of their outputs), or of its own.
+            width = config.shared_width
             shared_dims = [TensorDim(f"shared_{part}", width, parallel=True) for part in parts]
             shared_options = {**linear_options, "default_bias": config.add_linear_biases}
             self.shared_gate_up = Linear(
