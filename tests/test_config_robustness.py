@@ -203,7 +203,7 @@ def test_check_fits_counts_the_parameters_of_the_built_model(monkeypatch):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("model.hidden_size=2147483648", ["model: its parameters alone take", "GiB", "cpu memory"]),
+        ("model.hidden_size=2147483648", ["model: its parameters alone take", "GiB", "more than this machine"]),
         (
             "model.embeddings.vocab_size=4611686018427387904",
             ["model: cannot be built: parameter 'embeddings.word_embeddings'", "more than 2**63 - 1 elements"],
