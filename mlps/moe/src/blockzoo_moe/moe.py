@@ -325,8 +325,9 @@ class MoEMLP(MLP):
         self._jitter_seed = zlib.crc32(f"{name}.router_jitter".encode(), distributed.config.seed % 2**32)
         self._jitter_seed += distributed.data_rank
         # Made here, not at the first forward: a resumed run restores its state (blockzoo.training.random_state).
+        # Not on the meta device (a model built for its shapes only), which has no generator.
         self._jitter_generator: torch.Generator | None = None
-        if config.router_jitter:
+        if config.router_jitter and distributed.device.type != "meta":
             self._jitter_generator = torch.Generator(distributed.device).manual_seed(self._jitter_seed)
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
