@@ -133,6 +133,19 @@ def test_missing_config_file_is_a_usage_error(tmp_path):
     assert_usage_error(blockzoo_command("config", tmp_path / "absent.yaml"), "absent.yaml", "No such file")
 
 
+def test_train_without_a_config_says_what_it_needs():
+    result = blockzoo_command("train")
+    assert_usage_error(result, "blockzoo train needs a run config: blockzoo train CONFIG [KEY=VALUE ...]")
+    assert "required" not in result.stderr  # argparse's "the following arguments are required: CONFIG, KEY=VALUE"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["convert"], ["convert", "--format", "llama"]])
+def test_a_checkpoint_that_does_not_exist_is_named(command, tmp_path):
+    absent = tmp_path / "absent"
+    arguments = [command[0], str(absent), *([str(tmp_path / "out")] if command[0] == "convert" else []), *command[1:]]
+    assert_usage_error(blockzoo_command(*arguments), f"{absent}: does not exist")
+
+
 def test_tensor_parallel_not_dividing_the_heads_is_a_usage_error(config_file):
     result = blockzoo_command("train", config_file, "distributed.tensor_parallel=3")
     assert_usage_error(result, "model.decoder.block.mixer", "tensor_parallel")

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     plugins.set_defaults(run=_plugins)
 
     train = commands.add_parser("train", help="train a model (one process, or every rank under torchrun)")
-    train.add_argument("path", metavar="CONFIG", help="a YAML run config")
+    # Optional for argparse, required by _train: argparse would name the optional overrides as required too.
+    train.add_argument("path", metavar="CONFIG", nargs="?", help="a YAML run config")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. training.train_iters=100")
     train.set_defaults(run=_train)
 
@@ -104,6 +105,8 @@ def _train(arguments: argparse.Namespace) -> int:
     from blockzoo.config import load
     from blockzoo.run_config import RunConfig
 
+    if arguments.path is None:
+        raise UsageError("blockzoo train needs a run config: blockzoo train CONFIG [KEY=VALUE ...]")
     run_config = load(RunConfig, arguments.path, arguments.overrides)  # before importing torch: bad configs fail fast
     from blockzoo.distributed.runtime import Distributed
     from blockzoo.model.size import check_fits

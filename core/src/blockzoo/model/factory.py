@@ -126,6 +126,8 @@ def convert(
     A native checkpoint of a PEFT fine-tuning is loaded whole and its adapters merged into the weights: into `format`,
     or, with `merged`, into a native checkpoint of the model without PEFT."""
     source, destination = Path(source), Path(destination)
+    if not source.exists():
+        raise CheckpointError(source, "does not exist")
     foreign = _foreign_format(source)
     if foreign is None and read_checkpoint_config(_checkpoint_directory(source)).get("model", {}).get("peft"):
         return save(load(source), destination, format=format or "blockzoo", merged=True, **options)
@@ -230,6 +232,8 @@ def _foreign_format(path: Path) -> CheckpointFormat | None:
 
 
 def _checkpoint_directory(path: Path) -> Path:
+    if not path.exists():
+        raise CheckpointError(path, "does not exist")
     if (path / "metadata.yaml").is_file():
         return path
     # A newer checkpoint that fails verification is skipped for the one before it, and said (on stderr).
