@@ -216,6 +216,12 @@ def test_train_refuses_what_the_device_cannot_hold_before_allocating(tiny_file, 
     assert_usage_error(blockzoo("train", tiny_file, override), *expected)
 
 
+def test_found_by_the_fuzzer_random_documents_longer_than_the_sequence():
+    # Once a RuntimeError of torch.randint when the first batch was drawn.
+    data = {**TINY, "data": {"type": "random", "sequence_length": 16, "min_document_length": 1000}}
+    assert "must be <= the longest document" in errors_of(data)["data.min_document_length"]
+
+
 # -- 4. wrong containers -----------------------------------------------------------------------------------------------
 
 

@@ -81,3 +81,10 @@ class RandomDatasetConfig(DatasetConfig):
                 "max_document_length",
                 f"must be >= min_document_length ({self.min_document_length}), got {self.max_document_length}",
             )
+        else:
+            check(
+                self.min_document_length <= self.sequence_length,
+                "min_document_length",
+                f"must be <= the longest document, max_document_length (None: the sequence length, "
+                f"{self.sequence_length}), got {self.min_document_length}",
+            )
