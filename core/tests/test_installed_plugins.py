@@ -5,7 +5,9 @@ subprocesses, so the test environment itself never sees the broken ones:
 - acme: a working third-party mixer `acme.shift`;
 - broken: raises at import;
 - incompatible: declares `blockzoo>=99` (its module raises if it is ever imported);
-- duplicate_one / duplicate_two: two distributions that both register `dup.mixer`.
+- duplicate_one / duplicate_two: two distributions that both register `dup.mixer`;
+- careless (a site of its own, since it imports torch when loaded): its config module imports torch and it declares
+  no blockzoo requirement.
 """
 
 import json
@@ -143,6 +145,32 @@ def test_one_of_two_distributions_of_a_plugin_name_is_left_out_as_the_advice_say
     plugins = plugins_json(site, BLOCKZOO_PLUGINS="dup:blockzoo-test-dup-one")
     assert plugins["dup:blockzoo-test-dup-one"]["status"] == "loaded"
     assert plugins["dup:blockzoo-test-dup-two"]["status"] == "disabled"
+
+
+def test_check_reports_a_config_module_importing_torch_and_a_missing_blockzoo_requirement(site, tmp_path):
+    careless_site = tmp_path / "careless-site"
+    install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*install, str(careless_site), str(PACKAGES / "careless")], check=True, capture_output=True)
+    both = Path(f"{careless_site}{os.pathsep}{site}")
+    result = blockzoo(both, "plugins", "--check", BLOCKZOO_PLUGINS="careless,acme")
+    assert result.returncode == 1, result.stdout
+    careless = result.stdout.split("\ncareless  [loaded]", 1)[1].split("\n\n", 1)[0]
+    assert "check: blockzoo-test-careless declares no requirement on blockzoo: add one" in careless
+    assert "check: importing blockzoo_test_careless.config imports torch" in careless
+    acme = result.stdout.split("\nacme  [loaded]", 1)[1].split("\n\n", 1)[0]
+    assert "check: ok" in acme  # a torch-free plugin with a requirement passes
+
+
+def test_the_listing_names_the_other_plugin_of_a_conflict_and_verbose_shows_tracebacks(site):
+    listing = blockzoo(site, "plugins", BLOCKZOO_PLUGINS="dup,broken").stdout
+    assert (
+        "conflict: mixer type 'dup.mixer' is also registered by 'dup' (blockzoo-test-dup-two 2.0.0) (neither is used; "
+        "BLOCKZOO_DISABLE_PLUGINS=dup:blockzoo-test-dup-two leaves it out)" in listing
+    )
+    assert "Traceback" not in listing
+    verbose = blockzoo(site, "plugins", "--verbose", BLOCKZOO_PLUGINS="dup,broken").stdout
+    assert "    Traceback (most recent call last):" in verbose
+    assert 'raise ImportError("libacme_kernels.so' in verbose
 
 
 def write_config(tmp_path: Path, mixer: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import traceback
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from blockzoo.config import ConfigError, structure
 from blockzoo.errors import UsageError
-from blockzoo.plugins import PLUGIN_API, PluginError, PluginRecord, Registry, get_registry, strict_mode
+from blockzoo.plugins import PLUGIN_API, PluginError, PluginRecord, Registry, get_registry, strict_mode, undeclared_core
 
 USAGE_ERROR = 2
 
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     plugins = commands.add_parser("plugins", help="list the installed plugins and the types they provide")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("--check", action="store_true", help="also build every type and check the environment")
+    plugins.add_argument("--verbose", action="store_true", help="the traceback of each plugin that failed to load")
     plugins.set_defaults(run=_plugins)
 
     train = commands.add_parser("train", help="train a model (one process, or every rank under torchrun)")
@@ -234,7 +236,7 @@ def _plugins(arguments: argparse.Namespace) -> int:
     else:
         print(f"blockzoo {__version__}, plugin API {PLUGIN_API[0]}.{PLUGIN_API[1]}")
         for name, record in registry.plugins.items():
-            _print_record(record, _conversions(registry, record), checks.get(name))
+            _print_record(registry, record, checks.get(name), verbose=arguments.verbose)
     failed_checks = any(checks.values())
     if problems and strict_mode():
         print("blockzoo: error: plugins did not load and BLOCKZOO_STRICT_PLUGINS is set", file=sys.stderr)
@@ -254,23 +256,25 @@ def _conversions(registry: Registry, record: PluginRecord) -> dict[str, list[str
     return {kind: names for kind, names in kinds.items() if names}
 
 
-def _print_record(record: PluginRecord, conversions: dict[str, list[str]], check: list[str] | None) -> None:
+def _print_record(registry: Registry, record: PluginRecord, check: list[str] | None, *, verbose: bool) -> None:
     version = f"{record.distribution} {record.version}" if record.distribution else "(not installed)"
     print(f"\n{record.name}  [{record.status}]  {version}")
     if record.location:
         print(f"  location: {record.location}")
     if record.error:
         print(f"  error: {record.error}")
+        if record.traceback and verbose:
+            print("    " + record.traceback.rstrip().replace("\n", "\n    "))
     if record.info is not None:
         print(f"  plugin API: {record.info.api_version[0]}.{record.info.api_version[1]}")
         if record.info.capabilities:
             print(f"  capabilities: {', '.join(record.info.capabilities)}")
     for kind, names in record.types.items():
         print(f"  {kind}: {', '.join(names)}")
-    for kind, names in conversions.items():
+    for kind, names in _conversions(registry, record).items():
         print(f"  {kind.replace('_', ' ')}: {', '.join(names)}")
-    for conflict in record.conflicts:
-        print(f"  conflict: {conflict} is also registered by another plugin")
+    for conflict in registry.conflict_lines(record):
+        print(f"  conflict: {conflict}")
     if check is not None:
         print("  check: ok" if not check else "\n".join(f"  check: {problem}" for problem in check))
 
@@ -301,7 +305,22 @@ def _check_plugin(registry: Registry, record: PluginRecord) -> list[str]:
         problems.extend(registry.check_environment(record))
     except Exception as error:  # noqa: BLE001
         problems.append(f"check_environment raised {type(error).__name__}: {error}")
+    if problem := undeclared_core(record):
+        problems.append(problem)
+    modules = {record.module.__name__} | {e.config_class.__module__ for e in registry.entries() if e.plugin is record}
+    problems += [
+        f"importing {module} imports torch: a plugin's config and hook modules must not (blockzoo config and "
+        "blockzoo plugins load them without torch); import torch in the layer's module"
+        for module in sorted(modules)
+        if _imports_torch(module)
+    ]
     return problems
+
+
+def _imports_torch(module: str) -> bool:
+    """Whether importing `module` in a fresh interpreter imports torch (this process may have imported it already)."""
+    probe = f"import importlib, sys; importlib.import_module({module!r}); sys.exit(10 if 'torch' in sys.modules else 0)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, check=False).returncode == 10
 
 
 if __name__ == "__main__":

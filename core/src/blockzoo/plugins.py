@@ -289,6 +289,20 @@ class Registry:
             f"{way} leaves out {entry.plugin.label}" for way, entry in zip(ways, entries[1:])
         )
 
+    def conflict_lines(self, record: PluginRecord) -> list[str]:
+        """For each type of `record` that another plugin registers too: the type, the other plugins, and how to leave
+        them out."""
+        lines = []
+        for (kind, name), entries in self._conflicts.items():
+            if any(entry.plugin is record for entry in entries):
+                others = [entry.plugin for entry in entries if entry.plugin is not record]
+                ways = ", ".join(f"BLOCKZOO_DISABLE_PLUGINS={self.selector(other)}" for other in others)
+                owners = " and ".join(other.label for other in others)
+                lines.append(
+                    f"{kind} type {name!r} is also registered by {owners} (neither is used; {ways} leaves it out)"
+                )
+        return lines
+
     def selector(self, record: PluginRecord) -> str:
         """How BLOCKZOO_PLUGINS / BLOCKZOO_DISABLE_PLUGINS name this plugin alone: its name, or `name:distribution`
         when another installed distribution has a plugin of that name."""
@@ -481,6 +495,32 @@ def _requirement_problem(distribution: importlib.metadata.Distribution) -> str |
         if not requirement.specifier.contains(installed, prereleases=True):
             return f"requires {requirement}, but blockzoo {installed} is installed"
     return None
+
+
+def undeclared_core(record: PluginRecord) -> str | None:
+    """Why an installed plugin's distribution does not say which blockzoo it works with (no `blockzoo` requirement),
+    or None."""
+    if record.distribution is None or canonicalize_name(record.distribution) == PROJECT:
+        return None
+    try:
+        requires = importlib.metadata.distribution(record.distribution).requires or ()
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if any(_requirement_name(line) == PROJECT for line in requires):
+        return None
+    core = Version(_core_version())
+    example = f"blockzoo>={core.major}.{core.minor},<{core.major}.{core.minor + 1}"
+    return (
+        f"{record.distribution} declares no requirement on blockzoo: add one to its dependencies (e.g. "
+        f'"{example}", as the template does), so that pip keeps the two compatible'
+    )
+
+
+def _requirement_name(line: str) -> str | None:
+    try:
+        return canonicalize_name(Requirement(line).name)
+    except InvalidRequirement:
+        return None
 
 
 def _named(record: PluginRecord, names: set[str]) -> bool:
