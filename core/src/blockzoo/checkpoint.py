@@ -402,6 +402,21 @@ def _finish(
     _fsync(directory.parent)
 
 
+def record_checksum(directory: Path, file: str) -> None:
+    """Record the checksum of `file` of the checkpoint at `directory` anew, for a file written after the checkpoint
+    (a converter that streams the weights into a checkpoint saved without them). The metadata is replaced
+    atomically."""
+    metadata = _read_yaml(directory / METADATA_FILE)
+    checksums = metadata.get("checksums")
+    if not isinstance(checksums, dict) or file not in checksums.get("files", {}):
+        raise CheckpointError(directory / METADATA_FILE, f"records no checksum of {file} to update")
+    checksums["files"][file] = file_checksum(directory / file)
+    temporary = directory / f".{METADATA_FILE}.new"
+    temporary.write_text(_yaml_text(metadata, "the checkpoint metadata"))
+    _fsync(temporary)
+    temporary.replace(directory / METADATA_FILE)
+
+
 def _copy_origin(origin: Origin, destination: Path) -> None:
     destination.mkdir()
     for path in origin.paths():

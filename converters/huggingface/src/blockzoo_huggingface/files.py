@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from blockzoo.api import Distributed
-from blockzoo.checkpoint import MODEL_FILE, save_checkpoint
+from blockzoo.checkpoint import MODEL_FILE, record_checksum, save_checkpoint
 from blockzoo.config import Config
 from blockzoo.conversion import ConversionError, Origin, read_json
 from blockzoo.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -180,6 +180,7 @@ def new_native_checkpoint(
             origin=origin,
         )
         yield staging / MODEL_FILE
+        record_checksum(staging, MODEL_FILE)  # the metadata was written with the empty weights file
         if destination.exists():
             destination.rmdir()
         staging.rename(destination)
