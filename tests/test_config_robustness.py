@@ -206,7 +206,7 @@ def test_check_fits_counts_the_parameters_of_the_built_model(monkeypatch):
         ("model.hidden_size=2147483648", ["model: its parameters alone take", "GiB", "more than this machine"]),
         (
             "model.embeddings.vocab_size=4611686018427387904",
-            ["model: cannot be built: parameter 'embeddings.word_embeddings'", "more than 2**63 - 1 elements"],
+            ["model: cannot be built: parameter 'embeddings.word_embeddings'", "more than 2**63 - 1 bytes"],
         ),
         ("data.micro_batch_size=1000000000", ["data.micro_batch_size: a micro-batch of", "more than this machine"]),
         ("training.gradient_accumulation=100000000000", ["training.gradient_accumulation: a step's 100000000000"]),
@@ -220,6 +220,18 @@ def test_found_by_the_fuzzer_random_documents_longer_than_the_sequence():
     # Once a RuntimeError of torch.randint when the first batch was drawn.
     data = {**TINY, "data": {"type": "random", "sequence_length": 16, "min_document_length": 1000}}
     assert "must be <= the longest document" in errors_of(data)["data.min_document_length"]
+
+
+def test_found_by_the_fuzzer_a_parameter_whose_bytes_overflow():
+    # Fewer than 2**63 elements, but more bytes: once torch's "Storage size calculation overflowed".
+    from blockzoo.config import merge
+    from blockzoo.preflight import model_on_meta_device
+
+    config = structure(merge(TINY, {"model": {"embeddings": {"vocab_size": 2**53 + 1}, "hidden_size": 768}}), RunConfig)
+    with pytest.raises(ConfigError) as caught:
+        model_on_meta_device(config)
+    path, message = caught.value.errors[0]
+    assert path == "model" and "parameter 'embeddings.word_embeddings' of shape [9007199254740993, 768]" in message
 
 
 # -- 4. wrong containers -----------------------------------------------------------------------------------------------

@@ -197,9 +197,11 @@ def create_parameter(
         local_shape = tuple(dim.local_size(distributed.tensor_size) for dim in dims)
     except ValueError as error:
         raise ValueError(f"parameter {name!r}: {error}") from None
-    if math.prod(dim.global_size for dim in dims) > 2**63 - 1:  # torch cannot index it (a config's huge sizes)
+    # torch cannot index storage beyond 2**63 - 1 bytes (a config's huge sizes): say which parameter, not "overflowed".
+    if math.prod(dim.global_size for dim in dims) * torch.get_default_dtype().itemsize > 2**63 - 1:
         raise ValueError(
-            f"parameter {name!r} of shape {[dim.global_size for dim in dims]} has more than 2**63 - 1 elements"
+            f"parameter {name!r} of shape {[dim.global_size for dim in dims]} takes more than 2**63 - 1 bytes, "
+            "more than a tensor can hold"
         )
     if data_parallel_dims is not None:
         data_parallel_dims = tuple(data_parallel_dims)
