@@ -81,6 +81,8 @@ def test_kv_cache_decoding_equals_the_full_forward(case):
     # Prefill prompts of different lengths, a chunk of several tokens, then one token at a time.
     steps = [[3, 2], [2, 1], [1, 1], [1, 1], [1, 1]]
     check_decoding(build(CASES[case]), tolerance={"atol": 1e-6, "rtol": 1e-5}, lengths=[8, 6], steps=steps)
+    # One sequence: the one-token steps read its keys without a mask (but past a window's reach, with one).
+    check_decoding(build(CASES[case]), tolerance={"atol": 1e-6, "rtol": 1e-5}, lengths=[9], steps=[[2]] + [[1]] * 7)
 
 
 def test_kv_cache_errors():

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import attrs
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -76,6 +77,51 @@ class KeyValueCache:
         keys = batch.preprocessed("blockzoo_attention.cached_keys", lambda: Segments.from_lengths(lengths))
         stored = (keys.document_index, keys.positions)
         return self.key[stored].to(key.dtype), self.value[stored].to(value.dtype), keys
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch: Batch,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """One new token per sequence (a decoding step): store its key and value, and attend with its query
+        `[sequences, heads, head_size]` to its sequence's stored keys read in place, `[sequences, heads, stored,
+        head_size]` views of the cache (no gather of every stored key into a packed copy, as `append` makes)."""
+        if batch.past_lengths is None:
+            raise ValueError("attention with a generation cache needs `batch.past_lengths`")
+        sequences, max_length = self.key.shape[:2]
+        if batch.num_documents != sequences:
+            raise ValueError(f"the batch has {batch.num_documents} sequences but the cache holds {sequences}")
+        stored = batch.preprocessed("blockzoo_attention.decoded_length", lambda: int(batch.positions.max()) + 1)
+        if stored > max_length:
+            raise ValueError(f"sequences of up to {stored} tokens exceed the cache's {max_length}")
+        self.key[batch.document_index, batch.positions] = key.detach().to(self.key.dtype)
+        self.value[batch.document_index, batch.positions] = value.detach().to(self.value.dtype)
+        keys, values = (cache[:, :stored].transpose(1, 2).to(query.dtype) for cache in (self.key, self.value))
+        mask = batch.preprocessed(
+            ("blockzoo_attention.decoding_mask", window, stored), lambda: _decoding_mask(batch, window, stored)
+        )
+        groups = query.shape[1] // keys.shape[1]
+        if groups > 1:  # each key head serves consecutive query heads
+            keys, values = (tensor.repeat_interleave(groups, dim=1) for tensor in (keys, values))
+        output = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale)
+        return output.squeeze(2)
+
+
+def _decoding_mask(batch: Batch, window: int | None, stored: int) -> torch.Tensor | None:
+    """`[sequences, 1, 1, stored]`: which stored keys each sequence's new token sees (its own sequence's, within the
+    window); None when it sees them all."""
+    if batch.num_documents == 1 and (window is None or stored <= window):
+        return None
+    columns = torch.arange(stored, device=batch.device)
+    position = batch.positions[:, None]
+    seen = columns <= position
+    if window is not None:
+        seen &= columns > position - window
+    return seen[:, None, None, :]
 
 
 class AttentionCarry(NamedTuple):
@@ -196,6 +242,9 @@ class Attention(Mixer):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: KeyValueCache | None = None) -> torch.Tensor:
         query, key, value = self._project(hidden, batch)
+        if state is not None and batch.max_length == 1:
+            window, scale = self.config.window_size, self.config.resolved_softmax_scale
+            return self.dense(state.decode(query, key, value, batch, window, scale).flatten(1))
         queries = Segments.of(batch)
         if state is None:
             keys = queries
