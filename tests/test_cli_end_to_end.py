@@ -166,7 +166,7 @@ def test_generate_refuses_a_corrupted_weights_file(checkpoint):
     weights = checkpoint / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     result = blockzoo_command("generate", checkpoint, "--prompt", "Once")
-    assert_usage_error(result, str(weights), "corrupted or truncated")
+    assert_usage_error(result, str(weights), "corrupted or rewritten since the checkpoint was saved")
 
 
 def test_generate_refuses_a_checkpoint_of_a_newer_major_version(checkpoint):
