@@ -116,7 +116,7 @@ BAD_CONFIGS = {
 }
 
 
-# `config` is torch-free and fast; `train` (which imports torch) shares its config loading: two cases suffice.
+# `config` checks what `train` checks before building (its config loading is shared): two `train` cases suffice.
 COMMANDS_AND_CASES = [("config", case) for case in BAD_CONFIGS] + [
     ("train", "unknown mixer type"),
     ("train", "sequence-data-parallel"),
