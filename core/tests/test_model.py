@@ -407,7 +407,7 @@ def test_save_then_load_gives_bit_identical_logits(tmp_path):
 
 
 def test_load_refuses_what_is_not_a_checkpoint(tmp_path):
-    with pytest.raises(CheckpointError, match=r"missing: is not a checkpoint"):
+    with pytest.raises(CheckpointError, match=r"missing: does not exist"):
         blockzoo.load(tmp_path / "missing")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hello")
