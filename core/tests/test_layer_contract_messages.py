@@ -88,20 +88,38 @@ def test_the_engine_refuses_a_split_before_the_layer_is_built(config, size, mess
     check_layout(BareMixerConfig(), "decoder.0.mixer", SimpleNamespace(tensor_size=1))  # nothing to split
 
 
-def test_build_part_runs_the_check_before_building():
-    """A registered type (attention, 3 heads over 2 ranks): build_part refuses it with the config's message before
-    the implementation runs (which would need a tensor-parallel process group)."""
+def test_build_part_runs_the_check_before_building(blockzoo_registry):
+    """A registered type: build_part refuses a split its config refuses, with the config's message, before the
+    implementation runs (which would need a tensor-parallel process group, and records that it was called)."""
+    import types
+
+    from blockzoo.api import hookimpl
     from blockzoo.config import structure
     from blockzoo.model.block import build_part
+    from blockzoo.plugins import register_plugin
 
-    config = structure({"type": "attention", "heads": 3, "head_groups": 3, "head_size": 4}, MixerConfig)
-    with pytest.raises(
-        ValueError, match=r"mixer 'decoder\.0\.mixer' \(type 'attention'\): head_groups: tensor_parallel=2 must divide"
-    ):
+    module = types.ModuleType("contract_test_plugin")
+    module.register_mixers = hookimpl(
+        lambda register: register("contract.even", EvenOnlyMixerConfig, f"{__name__}:Built")
+    )
+    register_plugin(module, "contract")
+    config = structure({"type": "contract.even"}, MixerConfig)
+    Built.calls.clear()
+    with pytest.raises(ValueError, match=r"mixer 'decoder\.0\.mixer' \(type 'contract\.even'\): width: .* must be 2"):
         build_part(
             config,
             name="decoder.0.mixer",
             hidden_dim=TensorDim("hidden", 12),
-            distributed=SimpleNamespace(tensor_size=2),
+            distributed=SimpleNamespace(tensor_size=4),
             lr_scale=1.0,
         )
+    assert Built.calls == []
+
+
+class Built:
+    """Stands for a layer: records that it was built."""
+
+    calls: list = []
+
+    def __init__(self, *args, **kwargs):
+        Built.calls.append(kwargs["name"])
