@@ -121,7 +121,12 @@ def initial_input_errors(lengths, channels, kernel_size, device, seed=0):
     output_weights = torch.randn(sum(lengths), channels, generator=generator, dtype=torch.float64)
     leaves = {name: value.to(device, copy=True).requires_grad_() for name, value in inputs.items()}
     y = triton_causal_conv1d(
-        leaves["x"], leaves["weight"], leaves["bias"], Batch(lengths, device=device), activation="silu", initial=leaves["initial"]
+        leaves["x"],
+        leaves["weight"],
+        leaves["bias"],
+        Batch(lengths, device=device),
+        activation="silu",
+        initial=leaves["initial"],
     )
     (y.double() * output_weights.to(device)).sum().backward()
 
