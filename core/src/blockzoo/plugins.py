@@ -260,6 +260,11 @@ class Registry:
     def is_registered(self, config_class: type) -> bool:
         return config_class in self._names
 
+    def type_name_or(self, config_class: type, default: str) -> str:
+        """The type name of a registered config class, else `default` (a class no plugin of this registry
+        registered, e.g. in a gloo rank that did not get its parent's in-process plugin)."""
+        return self._names.get(config_class, default)
+
     def available(self, kind: str) -> list[str]:
         return sorted(name for entry_kind, name in self._types if entry_kind == kind)
 

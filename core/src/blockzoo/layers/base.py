@@ -299,9 +299,7 @@ class Layer(nn.Module):
         """`mixer type 'name'` (MLP, layer) as configs write it (the class name for a config no plugin registered)."""
         from blockzoo.plugins import get_registry
 
-        registry = get_registry(strict=False)
-        config_class = type(self.config)
-        name = registry.name_of(config_class) if registry.is_registered(config_class) else type(self).__name__
+        name = get_registry(strict=False).type_name_or(type(self.config), type(self).__name__)
         return f"{self._kind} type {name!r}"
 
 

@@ -37,8 +37,7 @@ def check_layout(config: Any, name: str, distributed: Distributed) -> None:
     size, capabilities = distributed.tensor_size, getattr(type(config), "capabilities", None)
     if size == 1 or capabilities is None:
         return
-    registry = get_registry(strict=False)
-    type_name = registry.name_of(type(config)) if registry.is_registered(type(config)) else type(config).__name__
+    type_name = get_registry(strict=False).type_name_or(type(config), type(config).__name__)
     what = f"{config.kind} {name!r} (type {type_name!r})"
     if TENSOR_PARALLEL not in capabilities:
         raise ValueError(f"{what} does not support tensor-parallel (tensor_parallel={size})")
