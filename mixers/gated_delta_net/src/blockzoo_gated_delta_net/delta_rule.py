@@ -1,0 +1,215 @@
+"""The gated delta rule over packed documents: a torch chunked (WY) form, a one-token recurrent step, and
+flash-linear-attention's Triton kernel on CUDA when it is installed.
+
+Per value head, with the state S [key_head_size, value_head_size] (fla's and HF's layout):
+
+    S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,    o_t = S_tᵀ q_t
+
+(the transpose of the brief's S_t = α_t S_{t-1} (I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ, o_t = S_t q_t). q and k are
+L2-normalised here, q is scaled by key_head_size^-0.5; the state restarts at every document.
+
+The chunked form: within a chunk starting from S_0, with γ_t = Π_{s ≤ t} α_s, the "new values" u_t = β_t (v_t −
+(α_t S_{t-1})ᵀ k_t) solve the unit lower-triangular system (I + L) u = β v − β γ K S_0, L[t, s] = β_t (γ_t / γ_s)
+k_tᵀ k_s for s < t. So u = U − W S_0 with U = (I + L)⁻¹ β v and W = (I + L)⁻¹ β γ K (the WY / UT transform), and
+    O = (γ Q) S_0 + ((Q Kᵀ) ⊙ Γ) u,    S_C = γ_C S_0 + (K ⊙ γ_C / γ)ᵀ u,    Γ[t, s] = γ_t / γ_s for s ≤ t.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import warnings
+
+import torch
+
+from blockzoo.api import Batch
+
+L2_NORM_EPSILON = 1.0e-6  # Qwen3-Next's and fla's: x · rsqrt(Σ x² + ε)
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether flash-linear-attention's chunked gated delta rule imports, checked once per process."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except ImportError as error:
+        warnings.warn(
+            f"flash-linear-attention is installed but does not import ({type(error).__name__}: {error}); "
+            "gated_delta_net uses its torch path",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def uses_fla_kernel(q: torch.Tensor) -> bool:
+    """Whether `gated_delta_rule` takes flash-linear-attention's kernel: CUDA and fla importable."""
+    return q.is_cuda and fla_available()
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_NORM_EPSILON)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: Batch,
+    *,
+    chunk_size: int = 64,
+    state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """o [tokens, value_heads, value_head_size] of the gated delta rule over the documents of `batch`.
+
+    q, k: [tokens, key_heads, key_head_size] before the L2 norm; v: [tokens, value_heads, value_head_size]; g: the
+    log decay log α [tokens, value_heads] (fp32); beta: [tokens, value_heads]. Value head h reads key head
+    h // (value_heads / key_heads). `state` ([sequences, value_heads, key_head_size, value_head_size], fp32;
+    generation): each sequence starts from its state, which is overwritten in place with the state after the
+    batch. Computed in fp32 (float64 for float64 inputs) on the torch path; the output has the dtype of `v`.
+    """
+    _check(q, k, v, g, beta, batch, state)
+    if uses_fla_kernel(q):
+        return _fla_gated_delta_rule(q, k, v, g, beta, batch, state)
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    repeat = v.shape[1] // k.shape[1]
+    q, k = (l2_normalize(x.to(dtype)).repeat_interleave(repeat, dim=1) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    initial = None if state is None else state.detach().to(dtype)
+    if state is not None and batch.max_length == 1:  # one token per sequence: the recurrence itself
+        output, final = recurrent_step(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), initial)
+    else:
+        output, final = chunked_gated_delta_rule(
+            q, k, v.to(dtype), g.to(dtype), beta.to(dtype), batch, chunk_size=chunk_size, initial=initial
+        )
+    if state is not None:
+        with torch.no_grad():
+            state.copy_(final)
+    return output.to(v.dtype)
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each sequence (token i is sequence i's), q and k normalised, scaled and per value head: (o, S)."""
+    state = initial * g.exp()[..., None, None]
+    remembered = torch.einsum("nhkv,nhk->nhv", state, k)
+    state = state + k[..., :, None] * (beta[..., None] * (v - remembered))[..., None, :]
+    return torch.einsum("nhkv,nhk->nhv", state, q), state
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: Batch,
+    *,
+    chunk_size: int,
+    initial: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked (WY) form over packed documents, q and k normalised, scaled and per value head, all in one dtype:
+    (o [tokens, heads, value_head_size], final states [documents, heads, key_head_size, value_head_size]).
+
+    The documents are laid out padded, [documents, heads, chunks, chunk_size, ...]; padding follows each document
+    with k = v = β = 0 and no decay, so it changes neither the outputs nor the final states."""
+    documents, heads, key_size, value_size = batch.num_documents, v.shape[1], k.shape[-1], v.shape[-1]
+    chunks = math.ceil(batch.max_length / chunk_size)
+    rows = (batch.document_index, _positions(batch))
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(documents, chunks * chunk_size, *x.shape[1:]).index_put(rows, x)
+        return out.unflatten(1, (chunks, chunk_size)).movedim(3, 1)  # [documents, heads, chunks, chunk_size, ...]
+
+    q, k, v, g, beta = (padded(x) for x in (q, k, v, g, beta))
+    log_decay = g.cumsum(-1)  # log γ_t within each chunk
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # Γ[t, s] = γ_t / γ_s for s <= t (masked before the exp: above the diagonal the difference may overflow).
+    ratio = torch.where(causal, log_decay[..., :, None] - log_decay[..., None, :], -math.inf).exp()
+    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * ratio).tril(-1)
+    system = lower + torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    right = torch.cat([beta[..., None] * v, (beta * log_decay.exp())[..., None] * k], dim=-1)
+    u_values, w_keys = torch.linalg.solve_triangular(system, right, upper=False, unitriangular=True).split(
+        [value_size, key_size], dim=-1
+    )
+    scores = (q @ k.transpose(-1, -2)) * ratio
+    decayed_q = q * log_decay.exp()[..., None]
+    last = log_decay[..., -1:]
+    to_end = k * (last - log_decay).exp()[..., None]
+    chunk_decay = last.exp()[..., None]
+
+    state = q.new_zeros(documents, heads, key_size, value_size) if initial is None else initial
+    outputs = []
+    for chunk in range(chunks):  # the state passes from chunk to chunk
+        u = u_values[:, :, chunk] - w_keys[:, :, chunk] @ state
+        outputs.append(decayed_q[:, :, chunk] @ state + scores[:, :, chunk] @ u)
+        state = chunk_decay[:, :, chunk] * state + to_end[:, :, chunk].transpose(-1, -2) @ u
+    output = torch.stack(outputs, dim=2).flatten(2, 3).transpose(1, 2)  # [documents, padded length, heads, size]
+    return output[rows], state
+
+
+def _positions(batch: Batch) -> torch.Tensor:
+    """Each token's position in its document within the batch."""
+
+    def compute() -> torch.Tensor:
+        starts = batch.cu_seqlens[:-1].to(torch.int64)[batch.document_index]
+        return torch.arange(batch.num_tokens, device=batch.device) - starts
+
+    return batch.preprocessed(("gated_delta_net", "positions"), compute)
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, batch, state) -> torch.Tensor:
+    """flash-linear-attention's Triton kernel over the packed documents (its varlen form: one row, cu_seqlens)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    output, final = chunk_gated_delta_rule(
+        q.unsqueeze(0).contiguous(),
+        k.unsqueeze(0).contiguous(),
+        v.unsqueeze(0).contiguous(),
+        g.float().unsqueeze(0).contiguous(),
+        beta.to(v.dtype).unsqueeze(0).contiguous(),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=None if state is None else state.detach(),
+        output_final_state=state is not None,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=batch.cu_seqlens.long(),
+    )
+    if state is not None:
+        with torch.no_grad():
+            state.copy_(final)
+    return output[0]
+
+
+def _check(q, k, v, g, beta, batch, state) -> None:
+    tokens = batch.num_tokens
+    if q.ndim != 3 or q.shape[0] != tokens or k.shape != q.shape:
+        raise ValueError(
+            f"gated_delta_rule: q and k must be [tokens={tokens}, key_heads, key_head_size], got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
+    if v.ndim != 3 or v.shape[0] != tokens or v.shape[1] % q.shape[1]:
+        raise ValueError(
+            f"gated_delta_rule: v must be [tokens={tokens}, value_heads (a multiple of {q.shape[1]}), "
+            f"value_head_size], got {tuple(v.shape)}"
+        )
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != v.shape[:2]:
+            raise ValueError(f"gated_delta_rule: {name} must be [tokens, value_heads] = {tuple(v.shape[:2])}")
+    expected = (batch.num_documents, v.shape[1], q.shape[2], v.shape[2])
+    if state is not None and tuple(state.shape) != expected:
+        raise ValueError(
+            f"gated_delta_rule: state must be [sequences, value_heads, key_head_size, value_head_size] = {expected}, "
+            f"got {tuple(state.shape)}"
+        )
