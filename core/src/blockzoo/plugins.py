@@ -46,6 +46,7 @@ FIRST_PARTY_DISTRIBUTIONS = frozenset(
         "blockzoo-mamba",
         "blockzoo-mamba-2",
         "blockzoo-discrete-mamba-2",
+        "blockzoo-gated-delta-net",
         "blockzoo-mlp",
         "blockzoo-moe",
         "blockzoo-huggingface",
@@ -57,6 +58,7 @@ FIRST_PARTY_TYPES = {
     ("mixer", "mamba"): "blockzoo-mamba",
     ("mixer", "mamba_2"): "blockzoo-mamba-2",
     ("mixer", "discrete_mamba_2"): "blockzoo-discrete-mamba-2",
+    ("mixer", "gated_delta_net"): "blockzoo-gated-delta-net",
     ("mlp", "mlp"): "blockzoo-mlp",
     ("mlp", "moe"): "blockzoo-moe",
 }
