@@ -1,5 +1,6 @@
 """The `blockzoo` command. A bad input ends with a one-paragraph message and exit code 2, never a traceback
-(unless `--debug`). Imports stay light: `blockzoo plugins` must answer without loading torch."""
+(unless `--traceback` or BLOCKZOO_TRACEBACK=1); an error raised in a plugin's layer names the plugin and the
+layer's path.. Imports stay light: `blockzoo plugins` must answer without loading torch."""
 
 from __future__ import annotations
 
@@ -22,20 +23,34 @@ USAGE_ERROR = 2
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     arguments = parser.parse_args(argv)
+    show_traceback = arguments.traceback or os.environ.get("BLOCKZOO_TRACEBACK", "") not in ("", "0")
     try:
         return arguments.run(arguments)
     except (ConfigError, PluginError, UsageError) as error:
-        if arguments.debug:
+        if show_traceback:
             traceback.print_exc()
         print(f"blockzoo: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         return 130
+    except Exception as error:
+        from blockzoo.layer_errors import locate_layer_failure
+
+        failure = locate_layer_failure(error)
+        if failure is None:  # the engine's own error: its traceback is the report
+            raise
+        if show_traceback:
+            traceback.print_exc()
+        hint = "" if show_traceback else " (--traceback or BLOCKZOO_TRACEBACK=1 shows the traceback)"
+        print(f"blockzoo: error: {failure.message()}{hint}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockzoo", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument(
+        "--traceback", "--debug", action="store_true", help="show the traceback of an error (or BLOCKZOO_TRACEBACK=1)"
+    )
     parser.set_defaults(run=lambda _: parser.print_help() or USAGE_ERROR)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map_only
 
 from blockzoo.config import ConfigFieldError
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.layer_errors import LayerOutputError
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import TENSOR_PARALLEL
 from blockzoo.layers.dims import TensorDim
@@ -89,6 +90,8 @@ class DecoderBlock(nn.Module):
         return self._mlp_part(hidden, batch), carry
 
     def _add_mixer_output(self, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if output.shape != hidden.shape:  # a plugin's bug, named by the CLI (the residual sum might broadcast it)
+            raise LayerOutputError(self.mixer, output.shape, hidden.shape)
         if hasattr(self, "post_mixer_norm"):
             output = self.post_mixer_norm(output)
         return hidden + output
@@ -96,6 +99,8 @@ class DecoderBlock(nn.Module):
     def _mlp_part(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.mlp is not None:
             output = self.mlp(self.norm_2(hidden), batch)
+            if output.shape != hidden.shape:
+                raise LayerOutputError(self.mlp, output.shape, hidden.shape)
             if hasattr(self, "post_mlp_norm"):
                 output = self.post_mlp_norm(output)
             hidden = hidden + output

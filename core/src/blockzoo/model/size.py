@@ -14,6 +14,7 @@ from torch import nn
 
 from blockzoo.config import ConfigError
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.layer_errors import locate_layer_failure
 from blockzoo.layers.parameter import on_meta_device
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
@@ -31,7 +32,8 @@ def meta_model(config: ModelConfig, distributed: Distributed) -> nn.Module:
         with on_meta_device():
             return LanguageModel(config, distributed)
     except (ValueError, RuntimeError) as error:
-        raise ConfigError([("model", f"cannot be built: {error}")]) from None
+        failure = locate_layer_failure(error)  # a plugin's layer: named, with its path and where it raised
+        raise ConfigError([("model", f"cannot be built: {failure.message() if failure else error}")]) from None
 
 
 def local_parameter_bytes(model: nn.Module, distributed: Distributed) -> int:
