@@ -47,6 +47,7 @@ FIRST_PARTY_DISTRIBUTIONS = frozenset(
         "blockzoo-mamba-2",
         "blockzoo-discrete-mamba-2",
         "blockzoo-gated-delta-net",
+        "blockzoo-mla",
         "blockzoo-mlp",
         "blockzoo-moe",
         "blockzoo-huggingface",
@@ -59,6 +60,7 @@ FIRST_PARTY_TYPES = {
     ("mixer", "mamba_2"): "blockzoo-mamba-2",
     ("mixer", "discrete_mamba_2"): "blockzoo-discrete-mamba-2",
     ("mixer", "gated_delta_net"): "blockzoo-gated-delta-net",
+    ("mixer", "mla"): "blockzoo-mla",
     ("mlp", "mlp"): "blockzoo-mlp",
     ("mlp", "moe"): "blockzoo-moe",
 }
