@@ -16,7 +16,14 @@ DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/e
 
 nox.options.sessions = ["lint", "tests"]
 # The distributions of the demo, installed together (examples/moe.yaml also runs there).
-DEMO_FOLDERS = [Path("core"), Path("mixers/attention"), Path("mixers/mamba_2"), Path("mlps/mlp"), Path("mlps/moe")]
+DEMO_FOLDERS = [
+    Path("core"),
+    Path("mixers/attention"),
+    Path("mixers/mamba_2"),
+    Path("mixers/gated_delta_net"),
+    Path("mlps/mlp"),
+    Path("mlps/moe"),
+]
 nox.options.reuse_venv = "yes"
 
 
@@ -64,7 +71,7 @@ def tests(session: nox.Session, distribution: str) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
     reload its checkpoint and continue a prompt. `nox -s demo -- moe` (or `-- hybrid`) does the same with
-    examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2)."""
+    examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2; `-- gated_delta_net`: Gated DeltaNet + attention)."""
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
     output = Path(session.create_tmp()) / example
