@@ -33,6 +33,7 @@ from blockzoo.model.config import (
     FixedBlockSequenceConfig,
     HeadConfig,
     ModelConfig,
+    ParallelBlockConfig,
     PatternBlockSequenceConfig,
 )
 from blockzoo.model.language_model import LanguageModel
@@ -200,6 +201,15 @@ PATTERN = {
 }
 
 
+PARALLEL = {
+    **MODEL,
+    "decoder": {
+        "num_blocks": 2,
+        "block": {"type": "parallel", "mixers": {"a": MIXER, "b": MIXER}, "mlp": DENSE_MLP},
+    },
+}
+
+
 def _block(**changes) -> dict:
     return {"decoder": {"block": changes}}
 
@@ -220,6 +230,7 @@ MODEL_CONFIG_CLASSES = {
     EmbeddingsConfig,
     HeadConfig,
     DecoderBlockConfig,
+    ParallelBlockConfig,
     FixedBlockSequenceConfig,
     PatternBlockSequenceConfig,
     RMSNormalizationConfig,
@@ -241,15 +252,25 @@ FIELD_CASES = {
     (EmbeddingsConfig, "position_embeddings"): (MODEL, {"embeddings": {"position_embeddings": True}}),
     (EmbeddingsConfig, "num_position_embeddings"): (POSITIONS, {"embeddings": {"num_position_embeddings": 64}}),
     (EmbeddingsConfig, "lr_scale"): (MODEL, {"embeddings": {"lr_scale": 0.5}}),
+    (EmbeddingsConfig, "multiplier"): (MODEL, {"embeddings": {"multiplier": 2.0}}),
     (HeadConfig, "normalization"): (MODEL, _head_norm(type="layer_norm")),
     (HeadConfig, "output_weight"): (MODEL, {"head": {"output_weight": FILL_2}}),
     (HeadConfig, "lr_scale"): (MODEL, {"head": {"lr_scale": 0.5}}),
+    (HeadConfig, "logits_multiplier"): (MODEL, {"head": {"logits_multiplier": 2.0}}),
     (DecoderBlockConfig, "mixer"): (MODEL, _block(mixer={"type": "none"})),
     (DecoderBlockConfig, "mlp"): (MODEL, _block(mlp={"type": "none"})),
     (DecoderBlockConfig, "normalization"): (MODEL, _block(normalization={"epsilon": 10.0})),
     (DecoderBlockConfig, "post_mixer_normalization"): (MODEL, _block(post_mixer_normalization={"type": "rms_norm"})),
     (DecoderBlockConfig, "post_mlp_normalization"): (MODEL, _block(post_mlp_normalization={"type": "rms_norm"})),
+    (DecoderBlockConfig, "residual_multiplier"): (MODEL, _block(residual_multiplier=0.5)),
     (DecoderBlockConfig, "lr_scale"): (MODEL, _block(lr_scale=0.5)),
+    (ParallelBlockConfig, "mixers"): (PARALLEL, _block(mixers={"c": MIXER})),
+    (ParallelBlockConfig, "input_multipliers"): (PARALLEL, _block(input_multipliers={"a": 2.0})),
+    (ParallelBlockConfig, "output_multipliers"): (PARALLEL, _block(output_multipliers={"b": 0.5})),
+    (ParallelBlockConfig, "mlp"): (PARALLEL, _block(mlp={"type": "none"})),
+    (ParallelBlockConfig, "normalization"): (PARALLEL, _block(normalization={"epsilon": 10.0})),
+    (ParallelBlockConfig, "residual_multiplier"): (PARALLEL, _block(residual_multiplier=0.5)),
+    (ParallelBlockConfig, "lr_scale"): (PARALLEL, _block(lr_scale=0.5)),
     (FixedBlockSequenceConfig, "block"): (MODEL, _block(mixer={"type": "none"})),
     (FixedBlockSequenceConfig, "num_blocks"): (MODEL, {"decoder": {"num_blocks": 3}}),
     (PatternBlockSequenceConfig, "blocks"): (PATTERN, {"decoder": {"blocks": {"mixer_only": {"lr_scale": 0.5}}}}),

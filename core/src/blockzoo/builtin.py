@@ -29,6 +29,7 @@ def register_mlps(register) -> None:
 @hookimpl
 def register_blocks(register) -> None:
     register("decoder", model.DecoderBlockConfig, "blockzoo.model.block:DecoderBlock")
+    register("parallel", model.ParallelBlockConfig, "blockzoo.model.parallel_block:ParallelBlock")
     register("fixed", model.FixedBlockSequenceConfig)
     register("pattern", model.PatternBlockSequenceConfig)
 

@@ -110,3 +110,7 @@ def _mixers_and_mlps(model: ModelConfig) -> Iterator[tuple[str, MixerConfig | ML
             value = getattr(block, attribute.name)
             if isinstance(value, (MixerConfig, MLPConfig)):
                 yield f"{path}.{attribute.name}", value
+            elif isinstance(value, dict):  # a parallel block's mixers, by name
+                for name, part in value.items():
+                    if isinstance(part, (MixerConfig, MLPConfig)):
+                        yield f"{path}.{attribute.name}.{name}", part

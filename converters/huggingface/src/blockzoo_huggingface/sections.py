@@ -34,9 +34,21 @@ def _is_none(config: Any) -> bool:
     return get_registry().name_of(type(config)) == "none"
 
 
-def decoder_block(mixer_norm: str = "input_layernorm", mlp_norm: str = "post_attention_layernorm") -> Section:
+# The multipliers of formats without them (every field needs a mapping): exporting any other value is refused.
+NO_RESIDUAL_MULTIPLIER = Constant("residual_multiplier", 1.0)
+NO_EMBEDDING_MULTIPLIER = Constant("embeddings.multiplier", 1.0)
+NO_LOGITS_MULTIPLIER = Constant("head.logits_multiplier", 1.0)
+
+
+def decoder_block(
+    mixer_norm: str = "input_layernorm",
+    mlp_norm: str = "post_attention_layernorm",
+    *,
+    residual_multiplier: ConfigMapping = NO_RESIDUAL_MULTIPLIER,
+) -> Section:
     """norm → mixer → norm → MLP, Llama's layer: the norms `mixer_norm` and `mlp_norm` (of one config, blockzoo's
-    `normalization`), the mixer and the MLP under their sections' names. Their types come from the layout."""
+    `normalization`), the mixer and the MLP under their sections' names. Their types come from the layout.
+    `residual_multiplier`: the format's key for it (Granite's), else 1."""
 
     def weights(config: DecoderBlockConfig) -> list[WeightMapping | Nested]:
         mappings: list[WeightMapping | Nested] = []
@@ -48,7 +60,11 @@ def decoder_block(mixer_norm: str = "input_layernorm", mlp_norm: str = "post_att
 
     return Section(
         config_class=DecoderBlockConfig,
-        config=(Constant("post_mixer_normalization", None), Constant("post_mlp_normalization", None)),
+        config=(
+            Constant("post_mixer_normalization", None),
+            Constant("post_mlp_normalization", None),
+            residual_multiplier,
+        ),
         parts=(Part("mixer"), Part("mlp"), Part("normalization", type="rms_norm")),
         weights=weights,
     )
@@ -60,10 +76,13 @@ def transformer_model(
     prefix: str = "model",
     embeddings: str = "embed_tokens",
     final_norm: str = "norm",
+    embedding_multiplier: ConfigMapping = NO_EMBEDDING_MULTIPLIER,
+    logits_multiplier: ConfigMapping = NO_LOGITS_MULTIPLIER,
 ) -> Section:
     """The model around the layers, Llama's: `model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`
     (absent when tied). `extra`: the format's own model-level keys; `prefix`, `embeddings`, `final_norm`: other
-    module names (Mamba's `backbone`, `embeddings`, `norm_f`)."""
+    module names (Mamba's `backbone`, `embeddings`, `norm_f`); `embedding_multiplier`, `logits_multiplier`: the
+    format's keys for them (Granite's, Falcon-H1's), else 1."""
 
     def weights(config: ModelConfig) -> list[WeightMapping | Nested]:
         mappings: list[WeightMapping | Nested] = [
@@ -85,6 +104,8 @@ def transformer_model(
             Rename("tied_embedding_weight", "tie_word_embeddings", default=False),
             Rename("embeddings.vocab_size", "vocab_size"),
             Constant("embeddings.position_embeddings", False),
+            embedding_multiplier,
+            logits_multiplier,
             Ignored(ours=("embeddings.num_position_embeddings",), reason="used by learned position embeddings only"),
             Ignored(ours=("pretrained",), reason="where the initial weights came from, not the architecture"),
             Ignored(

@@ -48,8 +48,14 @@ def check_layout(config: Any, name: str, distributed: Distributed) -> None:
         raise ValueError(f"{what}: {error.field_name}: {error.message}") from None
 
 
-def _not_a_view(tensor: torch.Tensor) -> torch.Tensor:
+def not_a_view(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied if it is a view (FSDP hooks every tensor a block returns, and warns of views)."""
     return tensor if tensor._base is None else tensor.clone()
+
+
+def scaled(tensor: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """`tensor * multiplier`, or `tensor` itself for 1 (the default: no extra operation, bit-identical)."""
+    return tensor if multiplier == 1 else tensor * multiplier
 
 
 class DecoderBlock(nn.Module):
@@ -59,6 +65,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
         common = {"hidden_dim": hidden_dim, "distributed": distributed, "lr_scale": lr_scale}
+        self.residual_multiplier = config.residual_multiplier
         self.mixer = build_part(config.mixer, name=f"{name}.mixer", **common)
         self.mlp = build_part(config.mlp, name=f"{name}.mlp", **common)
         # Module names follow the parts they normalize, so a block without an MLP has no `norm_2`.
@@ -86,7 +93,7 @@ class DecoderBlock(nn.Module):
             hidden = self._add_mixer_output(hidden, output)
             # FSDP hooks every tensor a block returns, and warns of views (an in-place change of one would skip its
             # hook): the carry's views (small: a window's rows, a convolution's last inputs) are copied.
-            carry = tree_map_only(torch.Tensor, _not_a_view, carry)
+            carry = tree_map_only(torch.Tensor, not_a_view, carry)
         return self._mlp_part(hidden, batch), carry
 
     def _add_mixer_output(self, hidden: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -94,7 +101,7 @@ class DecoderBlock(nn.Module):
             raise LayerOutputError(self.mixer, output.shape, hidden.shape)
         if hasattr(self, "post_mixer_norm"):
             output = self.post_mixer_norm(output)
-        return hidden + output
+        return hidden + scaled(output, self.residual_multiplier)
 
     def _mlp_part(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.mlp is not None:
@@ -103,7 +110,7 @@ class DecoderBlock(nn.Module):
                 raise LayerOutputError(self.mlp, output.shape, hidden.shape)
             if hasattr(self, "post_mlp_norm"):
                 output = self.post_mlp_norm(output)
-            hidden = hidden + output
+            hidden = hidden + scaled(output, self.residual_multiplier)
         return hidden
 
     def flops(self, batch: Batch) -> tuple[int, int]:

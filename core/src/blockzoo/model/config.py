@@ -15,7 +15,7 @@ from blockzoo.config import (
     field,
     structure,
 )
-from blockzoo.layers.config import MixerConfig, MLPConfig, NormalizationConfig, ParameterConfig
+from blockzoo.layers.config import MixerConfig, MLPConfig, NoMixerConfig, NormalizationConfig, ParameterConfig
 from blockzoo.peft.config import PeftConfig
 
 # Layers are Python modules, built one by one (even on the meta device): far more than any model has would take
@@ -47,9 +47,59 @@ class DecoderBlockConfig(BlockConfig):
     )
     post_mixer_normalization: NormalizationConfig | None = field(None, doc="Normalizes the mixer output (Gemma-style).")
     post_mlp_normalization: NormalizationConfig | None = field(None, doc="Normalizes the MLP output.")
+    residual_multiplier: float = field(
+        1.0, doc="Scales the mixer's and the MLP's outputs before each is added to the residual stream (Granite)."
+    )
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
+
+
+@configclass
+class ParallelBlockConfig(BlockConfig):
+    """norm → several mixers side by side, each output scaled, summed → residual → norm → MLP → residual (Falcon-H1).
+
+    Every mixer reads the same normalized input (times its input multiplier); the outputs, each times its output
+    multiplier, are summed into one residual branch. The MLP part is the decoder block's and may be `{type: none}`."""
+
+    mixers: dict[str, MixerConfig] = field(
+        factory=dict, doc="The mixers, by name (their modules are `mixers.<name>`); at least one, none of type none."
+    )
+    input_multipliers: dict[str, float] = field(
+        factory=dict,
+        doc="Scales the normalized input of the named mixers (Falcon-H1's attention and SSM in); 1 if absent.",
+    )
+    output_multipliers: dict[str, float] = field(
+        factory=dict,
+        doc="Scales the output of the named mixers before the sum (Falcon-H1's attention and SSM out); 1 if absent.",
+    )
+    mlp: MLPConfig = field(factory=_default_of(MLPConfig, "mlp"), doc="Transforms each token (default: mlp).")
+    normalization: NormalizationConfig = field(
+        factory=_default_of(NormalizationConfig, "normalization"), doc="The pre-mixers and pre-MLP normalizations."
+    )
+    residual_multiplier: float = field(
+        1.0, doc="Scales the mixers' sum and the MLP's output before each is added to the residual stream."
+    )
+    lr_scale: float | None = field(
+        None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        check(bool(self.mixers), "mixers", "must name at least one mixer")
+        for name, mixer in self.mixers.items():
+            check(
+                not isinstance(mixer, NoMixerConfig),
+                f"mixers.{name}",
+                "a parallel block's mixers are real mixers (remove this one; a block of no mixer is a `decoder` with "
+                "mixer {type: none})",
+            )
+        for field_name in ("input_multipliers", "output_multipliers"):
+            for name in getattr(self, field_name):
+                check(
+                    name in self.mixers,
+                    f"{field_name}.{name}",
+                    f"no mixer named {name!r} in `mixers` (defined: {', '.join(self.mixers)})",
+                )
 
 
 @configclass
@@ -112,6 +162,7 @@ class EmbeddingsConfig(Config):
     word_embeddings: ParameterConfig = field(factory=ParameterConfig, doc="The token embedding table.")
     position_embeddings: bool = field(False, doc="Add learned absolute position embeddings.")
     num_position_embeddings: int = field(2048, doc="Positions the learned table covers.", validator=at_least(1))
+    multiplier: float = field(1.0, doc="Scales the embeddings before the first block (Granite, Falcon-H1).")
     lr_scale: float | None = field(
         None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
@@ -123,6 +174,10 @@ class HeadConfig(Config):
         factory=_default_of(NormalizationConfig, "normalization"), doc="The final normalization."
     )
     output_weight: ParameterConfig = field(factory=ParameterConfig, doc="The output projection (when not tied).")
+    logits_multiplier: float = field(
+        1.0,
+        doc="Scales the logits, before the loss too (Falcon-H1's lm_head_multiplier; Granite's 1 / logits_scaling).",
+    )
     lr_scale: float | None = field(
         None, doc="Multiplies the model's learning-rate scale; 0 freezes.", validator=at_least(0)
     )

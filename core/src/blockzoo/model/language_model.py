@@ -31,7 +31,7 @@ from blockzoo.layers.config import NormalInitializationConfig
 from blockzoo.layers.cross_entropy import linear_cross_entropy
 from blockzoo.layers.dims import PaddedTensorDim, TensorDim
 from blockzoo.layers.parameter import create_parameter
-from blockzoo.model.block import build_part
+from blockzoo.model.block import build_part, scaled
 from blockzoo.model.config import EmbeddingsConfig, HeadConfig, ModelConfig
 from blockzoo.peft.apply import apply_peft
 
@@ -71,6 +71,7 @@ class Embeddings(nn.Module):
         initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
         settings = config.word_embeddings.resolve(initialization=initialization, lr_scale=lr_scale)
         self.vocab_size = config.vocab_size
+        self.multiplier = config.multiplier
         self.word_embeddings = create_parameter(
             "embeddings.word_embeddings", (vocab_dim(config.vocab_size), hidden_dim), settings, distributed
         )
@@ -103,7 +104,7 @@ class Embeddings(nn.Module):
                     "(model.embeddings.num_position_embeddings)"
                 )
             hidden = hidden + F.embedding(positions, self.position_embeddings)
-        return hidden.to(self.distributed.compute_dtype)
+        return scaled(hidden, self.multiplier).to(self.distributed.compute_dtype)
 
     def _vocab_parallel_lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         """The embeddings of the ids in this rank's slice of the vocabulary, zeros for the others (all tokens)."""
@@ -129,6 +130,7 @@ class Head(nn.Module):
         super().__init__()
         self.distributed = distributed
         self.vocab_size = vocab_size
+        self.logits_multiplier = config.logits_multiplier
         lr_scale = _scaled(lr_scale, config.lr_scale)
         self.normalization = build_part(
             config.normalization,
@@ -150,7 +152,7 @@ class Head(nn.Module):
         """Logits `[tokens, vocab]` of every token, whose final hidden states are `hidden` (this rank's tokens under
         sequence-tensor-parallel). Under tensor parallelism the vocabulary slices are gathered, without gradient:
         for inference (train through `loss`)."""
-        hidden = self.normalization(hidden)
+        hidden = self._normalized(hidden)
         distributed = self.distributed
         if distributed.tensor_size == 1:
             return F.linear(hidden, self.output_weight.to(hidden.dtype))
@@ -159,6 +161,11 @@ class Head(nn.Module):
             hidden = gather_tokens(hidden, group)
         logits = F.linear(hidden, self.output_weight.to(hidden.dtype))
         return vocab_dim(self.vocab_size).local_to_global(logits, 1, group)
+
+    def _normalized(self, hidden: torch.Tensor) -> torch.Tensor:
+        # logits · m = (hidden · m) Wᵀ: scaling the normalized states scales the logits, in `forward` and in the
+        # loss alike, without the loss ever holding the logits.
+        return scaled(self.normalization(hidden), self.logits_multiplier)
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The cross-entropy summed over the labelled tokens (fp32), from the final hidden states of this rank's
@@ -169,7 +176,7 @@ class Head(nn.Module):
         trainer expects), while its backward gives this rank's part of the gradient of the micro-batch's loss:
         every rank computes its vocabulary slice of every token, so the loss of all tokens is known on each rank.
         """
-        hidden = self.normalization(hidden)
+        hidden = self._normalized(hidden)
         distributed = self.distributed
         start, _ = _vocab_slice(distributed, self.vocab_size)
         options = {"tensor_group": distributed.tensor_group, "vocab_start": start, "vocab_size": self.vocab_size}
