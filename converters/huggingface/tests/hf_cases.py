@@ -90,6 +90,22 @@ CASES = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 3000.0},
         },
     ),
+    "qwen3": (
+        "qwen3",
+        "Qwen3Config",
+        {
+            **_ATTENTION,
+            "num_hidden_layers": 3,
+            "head_dim": 12,  # != 128, the format's default, and != hidden / heads
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "max_window_layers": 2,  # layer 2 slides
+            "hidden_act": "gelu",
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 6000.0},
+        },
+    ),
     "mixtral": (
         "mixtral",
         "MixtralConfig",

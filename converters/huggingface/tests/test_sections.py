@@ -13,7 +13,7 @@ from blockzoo.config import structure
 from blockzoo.conversion import checkpoint_formats, sections, unclaimed_fields
 from blockzoo.model.config import ModelConfig
 
-FORMATS = ["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe"]
+FORMATS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def test_the_formats_are_registered():

@@ -47,6 +47,14 @@ TRANSFORMER_FORMATS = (
         description="Qwen2: q, k, v biases; sliding-window layers",
     ),
     HuggingfaceFormat(
+        name="qwen3",
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        layout=SlidingWindowLayers(),
+        defaults={"rms_norm_eps": 1e-6, "head_dim": 128},  # transformers' head_dim is 128 whatever the width
+        description="Qwen3: q/k norms, attention biases, sliding-window layers",
+    ),
+    HuggingfaceFormat(
         name="mixtral",
         model_type="mixtral",
         architecture="MixtralForCausalLM",

@@ -356,6 +356,10 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
     # Qwen2 and Qwen2-MoE: the converter's layout gives each layer its `sliding_window` (None where full).
     register("qwen2", attention_section(biases=qkv_biases(None), window=sliding_window(default=None)))
     register("qwen2_moe", attention_section(biases=qkv_biases("qkv_bias"), window=sliding_window(default=None)))
+    register(
+        "qwen3",
+        attention_section(biases=all_biases("attention_bias"), window=sliding_window(default=None), head_norms=True),
+    )
     register("qwen3_moe", attention_section(biases=all_biases("attention_bias"), window=QWEN3_WINDOW, head_norms=True))
     # The Mamba hybrids: Jamba's attention has no rotary embeddings; Apriel's "t" layers are Mistral's.
     register(
