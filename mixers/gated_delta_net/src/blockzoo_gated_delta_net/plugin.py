@@ -35,3 +35,10 @@ def check_environment() -> list[str]:
             "torch path (install the `kernels` extra: pip install 'blockzoo-gated-delta-net[kernels]')"
         ]
     return []
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_gated_delta_net.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)
