@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,12 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import blockzoo
-from blockzoo.checkpoint import latest_checkpoint
+from blockzoo.checkpoint import CheckpointError, latest_checkpoint, record_checksum
+from blockzoo.cli import main
 from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch
 from blockzoo.peft.apply import adapters, merge_adapters, unmerge_adapters
@@ -237,37 +241,122 @@ def _interrupt_after_a_checkpoint(message: str) -> None:
         raise Interrupted
 
 
-def test_a_lora_run_resumes_exactly(tmp_path):
+def _lora_run_config(output_dir: Path, base: Path | None = None, **training) -> RunConfig:
+    model = {
+        "hidden_size": 32,
+        "embeddings": {"vocab_size": 257},
+        "decoder": {"num_blocks": 2, "block": {"mixer": ATTENTION, "mlp": MLP}},
+        "peft": {**LORA, "dropout": 0.1},  # the dropout masks' random state is resumed too
+    }
+    if base is not None:  # the architecture comes from the base; the peft given is added to it
+        model = {"pretrained": str(base), "peft": model["peft"]}
+    data = {"type": "embedded", "num_documents": 8, "sequence_length": 32, "micro_batch_size": 2}
+    training = {
+        "train_iters": 4,
+        "checkpoint_interval": 2,
+        "optimizer": {"learning_rate": 0.01},
+        "schedule": {"warmup_iters": 1, "decay": "cosine"},
+        "evaluation": {"interval": None},
+        "output_dir": str(output_dir),
+        **training,
+    }
+    return structure({"model": model, "data": data, "training": training}, RunConfig)
+
+
+@pytest.fixture
+def base_checkpoint(tmp_path) -> Path:
+    """A native checkpoint of a model with random weights (no PEFT), the base of a LoRA run."""
+    model = {
+        "hidden_size": 32,
+        "embeddings": {"vocab_size": 257},
+        "decoder": {"num_blocks": 2, "block": {"mixer": ATTENTION, "mlp": MLP}},
+    }
+    blockzoo.save(blockzoo.build({"model": model, "distributed": {"seed": 9}}), tmp_path / "base")
+    return tmp_path / "base"
+
+
+@pytest.mark.parametrize("with_base", [True, False], ids=["adapters-only", "no-base"])
+def test_a_lora_run_resumes_exactly(tmp_path, base_checkpoint, with_base):
     """Interrupted after its step-2 checkpoint and resumed: the losses of steps 3-4 and the final adapters (and
-    base) of the straight run, bit for bit; the optimizer state holds the adapters only."""
-
-    def run_config(output_dir: Path):
-        model = {
-            "hidden_size": 32,
-            "embeddings": {"vocab_size": 257},
-            "decoder": {"num_blocks": 2, "block": {"mixer": ATTENTION, "mlp": MLP}},
-            "peft": {**LORA, "dropout": 0.1},  # the dropout masks' random state is resumed too
-        }
-        data = {"type": "embedded", "num_documents": 8, "sequence_length": 32, "micro_batch_size": 2}
-        training = {
-            "train_iters": 4,
-            "checkpoint_interval": 2,
-            "optimizer": {"learning_rate": 0.01},
-            "schedule": {"warmup_iters": 1, "decay": "cosine"},
-            "evaluation": {"interval": None},
-            "output_dir": str(output_dir),
-        }
-        return structure({"model": model, "data": data, "training": training}, RunConfig)
-
-    straight = Trainer(run_config(tmp_path / "straight"), log=lambda _: None)
+    base) of the straight run, bit for bit; the optimizer state holds the adapters only. With a `pretrained` base the
+    checkpoints hold the adapters only (and a reference to the base); without one (fresh base weights) every weight."""
+    base = base_checkpoint if with_base else None
+    straight = Trainer(_lora_run_config(tmp_path / "straight", base), log=lambda _: None)
     straight.run()
     with pytest.raises(Interrupted):
-        Trainer(run_config(tmp_path / "resumed"), log=_interrupt_after_a_checkpoint).run()
-    resumed = Trainer(run_config(tmp_path / "resumed"), log=lambda _: None)
+        Trainer(_lora_run_config(tmp_path / "resumed", base), log=_interrupt_after_a_checkpoint).run()
+    resumed = Trainer(_lora_run_config(tmp_path / "resumed", base), log=lambda _: None)
     second_half = resumed.run()
     assert [record.loss for record in second_half] == [record.loss for record in straight.history[2:]]
     expected = dict(straight.model.named_parameters())
     for name, parameter in resumed.model.named_parameters():
         assert torch.equal(parameter, expected[name]), name
-    optimizer = load_file(latest_checkpoint(tmp_path / "resumed") / "optimizer.safetensors")
+    last = latest_checkpoint(tmp_path / "resumed")
+    optimizer = load_file(last / "optimizer.safetensors")
     assert optimizer and all(".adapter." in name for name in optimizer)
+    weights = load_file(last / "model.safetensors")
+    adapter_names = {name for name in expected if ".adapter." in name}
+    assert set(weights) == (adapter_names if with_base else set(expected))
+    metadata = yaml.safe_load((last / "metadata.yaml").read_text())
+    assert ("base" in metadata) == with_base
+    loaded = blockzoo.load(last)  # the base's weights and the checkpoint's adapters
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, expected[name]), name
+    if with_base:
+        assert metadata["base"]["path"] == str(base_checkpoint)
+        base_weights = load_file(base_checkpoint / "model.safetensors")
+        assert all(torch.equal(base_weights[name], expected[name]) for name in base_weights)
+
+
+def test_a_lora_run_can_write_its_base_weights_too(tmp_path, base_checkpoint):
+    """training.checkpoint_base_weights: every weight in the checkpoint, no `base` entry; it loads alone."""
+    config = _lora_run_config(tmp_path / "run", base_checkpoint, train_iters=1, checkpoint_base_weights=True)
+    trainer = Trainer(config, log=lambda _: None)
+    trainer.run()
+    last = latest_checkpoint(tmp_path / "run")
+    assert set(load_file(last / "model.safetensors")) == set(dict(trainer.model.named_parameters()))
+    assert "base" not in yaml.safe_load((last / "metadata.yaml").read_text())
+    shutil.rmtree(base_checkpoint)
+    loaded = blockzoo.load(last)
+    expected = dict(trainer.model.named_parameters())
+    assert all(torch.equal(parameter, expected[name]) for name, parameter in loaded.named_parameters())
+
+
+def _changed_config(base: Path) -> None:
+    """The base's config edited (hidden size), its checksum recorded anew, so only the base reference can tell."""
+    config = yaml.safe_load((base / "config.yaml").read_text())
+    config["model"]["decoder"]["block"]["mlp"]["intermediate_size"] = 40
+    (base / "config.yaml").write_text(yaml.safe_dump(config))
+    record_checksum(base, "config.yaml")
+
+
+def _changed_weights(base: Path) -> None:
+    model = blockzoo.load(base)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    shutil.rmtree(base)
+    blockzoo.save(model, base)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (shutil.rmtree, "does not exist"),
+        (_changed_weights, r"changed since the checkpoint was saved: model\.safetensors differs"),
+        (_changed_config, r"model\.decoder\.block\.mlp\.intermediate_size was 48, is 40"),
+    ],
+    ids=["missing", "weights", "config"],
+)
+def test_a_changed_base_is_refused_by_resume_load_and_the_cli(tmp_path, base_checkpoint, capsys, change, message):
+    config = _lora_run_config(tmp_path / "run", base_checkpoint, train_iters=2, checkpoint_interval=None)
+    Trainer(config, log=lambda _: None).run()
+    last = latest_checkpoint(tmp_path / "run")
+    change(base_checkpoint)
+    expected = rf"{base_checkpoint}: the base of {last} .*{message}"
+    with pytest.raises(CheckpointError, match=expected):
+        Trainer(_lora_run_config(tmp_path / "run", base_checkpoint, train_iters=4), log=lambda _: None)
+    with pytest.raises(CheckpointError, match=expected):
+        blockzoo.load(last)
+    assert main(["convert", str(last), str(tmp_path / "merged"), "--merged"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(expected, error) and "Traceback" not in error

@@ -14,6 +14,12 @@ A checkpoint is a directory:
 - `origin/` (when the model was imported from another format): copies of that checkpoint's files other than its
   weights (`blockzoo.conversion.Origin`: its config, tokenizer, generation settings), for exports to give back.
 
+A PEFT fine-tuning's checkpoint may hold its adapters only (`save_checkpoint(base=...)`): `model.safetensors` then
+has the adapter parameters alone (their optimizer state is all there is anyway) and `metadata.yaml` a `base` entry
+naming the checkpoint the frozen weights come from (`blockzoo.model.factory.base_reference`: its path, format, model
+config and weight files' checksums). Loading such a checkpoint fills the adapters only; the caller loads the base
+first and says so (`base_loaded`), after checking it is the one recorded (`blockzoo.model.factory.load_base`).
+
 No pickle: tensors go to safetensors, everything else to YAML. Saving streams the tensors: the ranks gather one
 global tensor at a time (FSDP shards over the data ranks, tensor-parallel shards over the tensor ranks, experts of
 expert parallelism over the data ranks), its writer puts it at its place in the file, and it is freed, so no rank
@@ -58,6 +64,7 @@ from blockzoo.conversion import Origin
 from blockzoo.distributed.data_parallel import shard_like, whole
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.errors import UsageError
+from blockzoo.peft.apply import is_adapter_parameter
 from blockzoo.plugins import get_registry
 from blockzoo.safetensors_io import DTYPES, SafetensorsWriter
 
@@ -103,6 +110,7 @@ def save_checkpoint(
     origin: Origin | None = None,
     keep: int | None = None,
     log: Callable[[str], None] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of `model` (and `optimizer`) to `directory`. Every rank calls it.
 
@@ -121,6 +129,9 @@ def save_checkpoint(
     would remove anyway (down to `keep - 1`, never fewer than one). No room: a `CheckpointError` naming the directory
     and the space needed. A tensor with a non-finite value is refused (`CheckpointError`), so no checkpoint with one is
     ever written. `log` (rank 0) hears of what was moved aside or pruned early.
+
+    `base` (a PEFT fine-tuning's, `blockzoo.model.factory.base_reference`): the weights file holds the adapters
+    only, and the metadata records `base`, where the frozen weights are to be read from.
     """
     directory = Path(directory)
     log = log or (lambda _: None)
@@ -135,10 +146,12 @@ def save_checkpoint(
         "extra": dict(extra or {}),
         "files": files,
     }
+    if base is not None:
+        metadata["base"] = dict(base)
     # Checked on every rank before any collective, so that bad trainer state fails everywhere alike.
     _yaml_text(metadata, "the checkpoint metadata (data_state, extra)")
     config = to_yaml(run_config)
-    tensors = {MODEL_FILE: dict(_weights_of(model))}
+    tensors = {MODEL_FILE: dict(_weights_of(model, adapters_only=base is not None))}
     if optimizer is not None:
         tensors[OPTIMIZER_FILE] = dict(_optimizer_state_of(directory, model, optimizer))
     layouts = {file: _layout(entries, distributed) for file, entries in tensors.items()}
@@ -166,9 +179,17 @@ def save_checkpoint(
 _Entry = tuple[nn.Parameter, torch.Tensor, torch.dtype, tuple[int, ...]]
 
 
-def _weights_of(model: nn.Module) -> Iterator[tuple[str, _Entry]]:
-    for name, parameter in model.named_parameters():
+def _weights_of(model: nn.Module, *, adapters_only: bool = False) -> Iterator[tuple[str, _Entry]]:
+    for name, parameter in _saved_parameters(model, adapters_only).items():
         yield name, (parameter, parameter.detach(), parameter.dtype, _global_shape(parameter))
+
+
+def _saved_parameters(model: nn.Module, adapters_only: bool) -> dict[str, nn.Parameter]:
+    """The parameters a checkpoint's weights file holds: all, or (a PEFT checkpoint with a base) the adapters."""
+    parameters = dict(model.named_parameters())
+    if adapters_only:
+        return {name: parameter for name, parameter in parameters.items() if is_adapter_parameter(name)}
+    return parameters
 
 
 def _optimizer_state_of(
@@ -591,6 +612,27 @@ def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
     return _read_yaml(directory / CONFIG_FILE)
 
 
+def read_checkpoint_metadata(directory: str | Path) -> dict[str, Any]:
+    """The metadata of a checkpoint (verified: its version, plugins, files, config checksum)."""
+    return _read_metadata(Path(directory))
+
+
+def weights_checksums(directory: str | Path) -> dict[str, str]:
+    """{weights file: checksum} of a native checkpoint: the one its metadata records (computed for a checkpoint
+    older than the checksums). A checkpoint holding adapters only is no base for another (it has no base weights)."""
+    directory = Path(directory)
+    metadata = _read_metadata(directory)
+    if metadata.get("base"):
+        raise CheckpointError(
+            directory,
+            f"holds PEFT adapters only (its base is {metadata['base'].get('path')!r}), so it cannot be the base of "
+            "another checkpoint; write the fine-tuned model whole first: blockzoo convert "
+            f"{directory} DESTINATION --merged",
+        )
+    recorded = (metadata.get("checksums") or {}).get("files", {}).get(MODEL_FILE)
+    return {MODEL_FILE: recorded or file_checksum(directory / MODEL_FILE)}
+
+
 def read_origin(directory: str | Path) -> Origin | None:
     """The origin files a checkpoint keeps (None when its model was not imported from another format)."""
     directory = Path(directory)
@@ -606,6 +648,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     distributed: Distributed,
     model_source: str | None = None,
+    base_loaded: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a checkpoint: (config data, metadata), and fill `model`'s parameters and `optimizer`'s state in place.
 
@@ -617,6 +660,9 @@ def load_checkpoint(
     ranks, and the rows of its FSDP shards), reading one global tensor at a time. Nothing is changed unless every
     tensor is there with its shape. Under pipeline parallelism a stage reads the tensors of its own parameters (the
     others belong to other stages).
+
+    A checkpoint holding adapters only (its metadata has `base`) fills the adapters; the caller must have loaded
+    the base weights (`blockzoo.model.factory.load_base`) and pass `base_loaded`.
     """
     directory = Path(directory)
     metadata = _read_metadata(directory)
@@ -626,13 +672,21 @@ def load_checkpoint(
     if optimizer is not None and OPTIMIZER_FILE not in metadata["files"]:
         raise CheckpointError(directory / OPTIMIZER_FILE, "this checkpoint was saved without optimizer state")
     source = model_source or "the model"
+    adapters_only = bool(metadata.get("base"))
+    if model is not None and adapters_only and not base_loaded:
+        raise CheckpointError(
+            directory,
+            f"holds PEFT adapters only (its base is {metadata['base'].get('path')!r}): load it with blockzoo.load, "
+            "which loads the base first",
+        )
     if model is not None:
+        parameters = _saved_parameters(model, adapters_only)
         with _TensorFile(directory / MODEL_FILE, metadata) as weights:
-            _check_weights(weights, model, source, whole_model=distributed.config.pipeline_parallel == 1)
+            _check_weights(weights, parameters, source, whole_model=distributed.config.pipeline_parallel == 1)
             if optimizer is not None:  # Read (and checked) before any parameter changes.
                 with _TensorFile(directory / OPTIMIZER_FILE, metadata) as states:
                     optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
-            _copy_weights(weights, model, distributed)
+            _copy_weights(weights, parameters, distributed)
         if optimizer is not None:
             # Through `load_state_dict`: torch places each state tensor (device, dtype) as the optimizer expects.
             state_dict = optimizer.state_dict()
@@ -807,10 +861,11 @@ def _to_local(tensor: torch.Tensor, parameter: nn.Parameter, distributed: Distri
     return shard_like(parameter, tensor).clone()
 
 
-def _check_weights(file: _TensorFile, model: nn.Module, source: str, *, whole_model: bool = True) -> None:
-    """Every parameter of the model (built from `source`) is in the file with its global shape and dtype, and (for a
+def _check_weights(
+    file: _TensorFile, parameters: Mapping[str, nn.Parameter], source: str, *, whole_model: bool = True
+) -> None:
+    """Every parameter (of the model built from `source`) is in the file with its global shape and dtype, and (for a
     `whole_model`, not a pipeline stage) nothing else is."""
-    parameters = dict(model.named_parameters())
     if missing := [name for name in parameters if name not in file.shapes]:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
         raise file.error(f"tensor {missing[0]!r} is missing{more}")
@@ -828,9 +883,9 @@ def _check_weights(file: _TensorFile, model: nn.Module, source: str, *, whole_mo
             )
 
 
-def _copy_weights(file: _TensorFile, model: nn.Module, distributed: Distributed) -> None:
+def _copy_weights(file: _TensorFile, parameters: Mapping[str, nn.Parameter], distributed: Distributed) -> None:
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, parameter in parameters.items():
             local_tensor(parameter).copy_(local_tensor(_to_local(file.get(name), parameter, distributed)))
 
 

@@ -6,16 +6,22 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
+import yaml
 
 from blockzoo.checkpoint import (
+    CHECKSUM_ALGORITHM,
     CheckpointError,
+    file_checksum,
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_config,
+    read_checkpoint_metadata,
     read_origin,
     save_checkpoint,
+    weights_checksums,
 )
 from blockzoo.config import ConfigError, merge, structure, to_dict, update
 from blockzoo.config import load as load_config
@@ -89,8 +95,15 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     run_config = structure(data, RunConfig, source=str(directory / "config.yaml"))
     with uninitialized():
         model = build(run_config, distributed=distributed or Distributed(run_config.distributed, world_size=1, rank=0))
+    base = read_checkpoint_metadata(directory).get("base")
+    if base:  # a PEFT checkpoint holding adapters only: its base first
+        load_base(model, directory, base)
     load_checkpoint(
-        directory, model=model, distributed=model.distributed, model_source=f"the model of {directory / 'config.yaml'}"
+        directory,
+        model=model,
+        distributed=model.distributed,
+        model_source=f"the model of {directory / 'config.yaml'}",
+        base_loaded=bool(base),
     )
     model.origin = read_origin(directory)
     return model
@@ -198,6 +211,79 @@ def load_pretrained_weights(model: LanguageModel, source: str | Path, distribute
             foreign.load_weights(source, model, distributed)
         else:
             load_checkpoint(_checkpoint_directory(source), model=model, distributed=distributed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The base of a PEFT checkpoint that holds adapters only (docs/architecture.md "Fine-tuning (LoRA)")
+
+
+def base_reference(source: str | Path) -> dict[str, Any]:
+    """What a PEFT checkpoint holding adapters only records of the checkpoint its frozen weights come from (its
+    metadata's `base`): `path` as given, `format`, `model` (its model config, plain data) and `checksums` of its weight
+    files (a native checkpoint's recorded ones; a Hugging Face directory's `*.safetensors`, hashed here)."""
+    path = Path(source)
+    foreign = _foreign_format(path)
+    if foreign is None:
+        directory = _checkpoint_directory(path)
+        prefix = "" if directory == path else f"{directory.relative_to(path)}/"  # a run directory: its latest
+        files = {prefix + name: digest for name, digest in weights_checksums(directory).items()}
+    else:
+        files = {file.name: file_checksum(file) for file in sorted(path.glob("*.safetensors"))}
+    return {
+        "path": str(source),
+        "format": foreign.name if foreign is not None else "blockzoo",
+        "model": yaml.safe_load(yaml.safe_dump(pretrained_model_config(path))),  # as the metadata will hold it
+        "checksums": {"algorithm": CHECKSUM_ALGORITHM, "files": files},
+    }
+
+
+def check_base(checkpoint: str | Path, base: Mapping[str, Any]) -> None:
+    """Raise `CheckpointError` (naming the base's path and what differs) unless the base that the checkpoint at
+    `checkpoint` records (`base`, from its metadata) is still there as it was when the checkpoint was saved."""
+    path = Path(base["path"])
+    what = f"the base of {checkpoint} (a PEFT checkpoint holding adapters only: the frozen weights are read from it)"
+    if not path.exists():
+        raise CheckpointError(
+            path, f"{what} does not exist (a relative path is taken from the working directory): put it back there"
+        )
+    found = base_reference(path)
+    differences = (
+        [] if found["format"] == base.get("format") else [f"format was {base.get('format')}, is {found['format']}"]
+    )
+    differences += _differences(base.get("model"), found["model"], "model")
+    recorded = (base.get("checksums") or {}).get("files") or {}
+    for name in sorted(set(recorded) | set(found["checksums"]["files"])):
+        now = found["checksums"]["files"].get(name)
+        if name not in recorded:
+            differences.append(f"{name} is new")
+        elif now is None:
+            differences.append(f"{name} is gone")
+        elif now != recorded[name]:
+            differences.append(f"{name} differs (its checksum changed)")
+    if differences:
+        more = f" (and {len(differences) - 5} more)" if len(differences) > 5 else ""
+        raise CheckpointError(
+            path,
+            f"{what} changed since the checkpoint was saved: {'; '.join(differences[:5])}{more}. Adapters trained on "
+            "other weights would be wrong on these: restore the base it was trained on",
+        )
+
+
+def _differences(recorded: Any, found: Any, where: str) -> list[str]:
+    if isinstance(recorded, Mapping) and isinstance(found, Mapping):
+        return [
+            difference
+            for key in sorted(set(recorded) | set(found), key=str)
+            for difference in _differences(recorded.get(key), found.get(key), f"{where}.{key}")
+        ]
+    return [] if recorded == found else [f"{where} was {recorded!r}, is {found!r}"]
+
+
+def load_base(model: LanguageModel, checkpoint: str | Path, base: Mapping[str, Any], distributed=None) -> None:
+    """Check the base a PEFT checkpoint holding adapters only records (`check_base`), then fill `model`'s base
+    weights from it (this rank's shards); the adapters are then loaded from the checkpoint."""
+    check_base(checkpoint, base)
+    load_pretrained_weights(model, base["path"], distributed)
 
 
 def _load_foreign(foreign: CheckpointFormat, path: Path, distributed: Distributed | None) -> LanguageModel:

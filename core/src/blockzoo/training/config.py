@@ -77,6 +77,12 @@ class TrainingConfig(Config):
         None, doc="Save every this many steps (and at the end); None: only at the end.", validator=at_least(1)
     )
     checkpoint_keep: int = field(3, doc="How many of the latest checkpoints to keep.", validator=at_least(1))
+    checkpoint_base_weights: bool = field(
+        False,
+        doc="A PEFT fine-tuning (`model.peft`) of a `model.pretrained` base: also write the frozen base weights into "
+        "every checkpoint. False: its checkpoints hold the adapters (and their optimizer state) only, and a reference "
+        "to the base (path, model config, checksums of its weights) that resume, load and convert check and read.",
+    )
     compile: Literal["none", "blocks"] = field(
         "none",
         doc="`blocks`: torch.compile each block's training forward (and its backward), fusing its elementwise work; "

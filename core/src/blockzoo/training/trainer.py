@@ -41,6 +41,7 @@ from blockzoo.checkpoint import (
     keep_last,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint_metadata,
     read_origin,
     save_checkpoint,
 )
@@ -55,7 +56,14 @@ from blockzoo.distributed.pipeline import Pipeline, build_pipeline_model
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import uninitialized
-from blockzoo.model.factory import convert, load_pretrained_weights, pretrained_origin, with_pretrained_config
+from blockzoo.model.factory import (
+    base_reference,
+    convert,
+    load_base,
+    load_pretrained_weights,
+    pretrained_origin,
+    with_pretrained_config,
+)
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
@@ -142,7 +150,15 @@ class Trainer:
                 self.model = build_pipeline_model(run_config.model, self.distributed)
             else:
                 self.model = LanguageModel(run_config.model, self.distributed)
+        # The base a PEFT run's checkpoints refer to instead of holding its weights (None: they hold every weight). A
+        # resumed run keeps its checkpoints' kind, unless checkpoint_base_weights now asks for every weight.
+        self._resumed_base = read_checkpoint_metadata(last).get("base") if last else None
+        if self._resumed_base:  # the latest holds adapters only: the base weights from its base (if unchanged)
+            load_base(self.model, last, self._resumed_base, self.distributed)
+        self.base: dict[str, Any] | None = None if self.config.checkpoint_base_weights else self._resumed_base
         if pretrained is not None:
+            if run_config.model.peft is not None and not self.config.checkpoint_base_weights:
+                self.base = base_reference(pretrained)
             load_pretrained_weights(self.model, pretrained, self.distributed)
             self.model.origin = pretrained_origin(pretrained)
             self.log(f"initialized from {pretrained}")
@@ -437,6 +453,7 @@ class Trainer:
                 origin=self.model.origin,
                 keep=self.config.checkpoint_keep,
                 log=self.log,
+                base=self.base,
             )
         except NonFiniteError as error:
             last = latest_checkpoint(self.output_dir)
@@ -478,6 +495,7 @@ class Trainer:
             optimizer=self.optimizer,
             distributed=self.distributed,
             model_source="the model of the run config",
+            base_loaded=bool(self._resumed_base),
         )
         self.step = int(metadata["step"])
         self.data_position = metadata.get("data")
