@@ -31,17 +31,17 @@ def build(data: dict, distributed: Distributed | None = None, hidden: int = HIDD
     return build_layer(mla_config(data), hidden, distributed or single_process(SEED))
 
 
-def _rotate(vector: torch.Tensor, position: int, config) -> torch.Tensor:
-    """Pair (i, i + size/2) as a complex number times e^(i·position·theta^(-2i/size))."""
+def _rotate(vector: torch.Tensor, position: int, config, interleaved: bool) -> torch.Tensor:
+    """Pair (i, i + size/2), or (2i, 2i + 1) `interleaved`, as a complex number times e^(i·position·theta^(-2i/size))
+    (returned as the real parts, then the imaginary ones: the same layout for queries and keys)."""
     if isinstance(config, NoRotaryConfig):
         return vector
     assert type(config) is DefaultRotaryConfig, config
     size = len(vector)
     half = size // 2
     frequencies = 1.0 / config.theta ** (torch.arange(0, size, 2, dtype=torch.float64) / size)
-    pairs = torch.complex(vector[:half], vector[half:]) * torch.polar(
-        torch.ones(half, dtype=torch.float64), position * frequencies
-    )
+    first, second = (vector[0::2], vector[1::2]) if interleaved else (vector[:half], vector[half:])
+    pairs = torch.complex(first, second) * torch.polar(torch.ones(half, dtype=torch.float64), position * frequencies)
     return torch.cat([pairs.real, pairs.imag])
 
 
@@ -75,12 +75,16 @@ def reference_forward(layer: MultiHeadLatentAttention, hidden: torch.Tensor, len
             query = _affine(layer.query_up, compressed)
         latent_and_key = _affine(layer.key_value_down, x[token])
         latent = _rms_norm(latent_and_key[: config.key_value_rank], layer.key_value_norm, config.key_value_norm.epsilon)
-        shared_key = _rotate(latent_and_key[config.key_value_rank :], positions[token], config.rotary)
+        shared_key = _rotate(
+            latent_and_key[config.key_value_rank :], positions[token], config.rotary, config.interleaved_rotary
+        )
         expanded = _affine(layer.key_value_up, latent)
         token_queries, token_keys, token_values = [], [], []
         for head in range(heads):
             q = query[head * (nope + rotary) : (head + 1) * (nope + rotary)]
-            token_queries.append(torch.cat([q[:nope], _rotate(q[nope:], positions[token], config.rotary)]))
+            token_queries.append(
+                torch.cat([q[:nope], _rotate(q[nope:], positions[token], config.rotary, config.interleaved_rotary)])
+            )
             kv = expanded[head * (nope + value_size) : (head + 1) * (nope + value_size)]
             token_keys.append(torch.cat([kv[:nope], shared_key]))
             token_values.append(kv[nope:])

@@ -13,7 +13,13 @@ from blockzoo.testing import check_decoding, check_packed_documents, layer_input
 LENGTHS = [5, 1, 7]
 CASES = {
     "plain-query": {**SMALL},
-    "low-rank-query": {**SMALL, "query_rank": 12, "query_norm": RANDOM_NORM, "key_value_norm": RANDOM_NORM},
+    "low-rank-query-interleaved": {
+        **SMALL,
+        "query_rank": 12,
+        "query_norm": RANDOM_NORM,
+        "key_value_norm": RANDOM_NORM,
+        "interleaved_rotary": True,
+    },
     "biases-nope-scale": {
         **SMALL,
         "query_rank": 12,

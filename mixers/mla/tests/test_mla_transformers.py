@@ -1,6 +1,6 @@
 """The MLA mixer against transformers' DeepseekV3Attention (its SDPA path, causal) with the same weights: plain and
-low-rank queries, DeepSeek's interleaved rotary layout (the rotary rows of q_b_proj and kv_a_proj_with_mqa permuted
-into the rotate-half layout, as the deepseek_v3 converter does) and YaRN with its mscale in the softmax scale."""
+low-rank queries, DeepSeek's interleaved rotary pairs (rope_interleave, our interleaved_rotary) and the rotate-half
+ones, and YaRN with its mscale in the softmax scale."""
 
 import math
 
@@ -34,11 +34,6 @@ CASES = {
 }
 
 
-def deinterleave(size: int) -> list[int]:
-    """Rows of DeepSeek's interleaved pairs (2i, 2i + 1) in rotate-half order (i, i + size/2)."""
-    return [*range(0, size, 2), *range(1, size, 2)]
-
-
 def hf_config(case: dict):
     data = {
         "vocab_size": 32,
@@ -70,6 +65,7 @@ def ours_for(config, rotary: dict, softmax_scale: float | None):
             "query_norm": {"epsilon": config.rms_norm_eps, "weight": {"initialization": {"type": "normal"}}},
             "key_value_norm": {"epsilon": config.rms_norm_eps, "weight": {"initialization": {"type": "normal"}}},
             "rotary": rotary,
+            "interleaved_rotary": config.rope_interleave,
             "softmax_scale": softmax_scale,
         },
         hidden=HIDDEN,
@@ -77,23 +73,14 @@ def ours_for(config, rotary: dict, softmax_scale: float | None):
 
 
 def copy_weights(ours, theirs, config) -> None:
-    """Our (random) weights into transformers' layer, the rotary rows interleaved again where the config says."""
-    nope, rope, heads = config.qk_nope_head_dim, config.qk_rope_head_dim, config.num_attention_heads
-    order = deinterleave(rope) if config.rope_interleave else list(range(rope))
-    inverse = [order.index(index) for index in range(rope)]
-    query_rows = [
-        h * (nope + rope) + (i if i < nope else nope + inverse[i - nope])
-        for h in range(heads)
-        for i in range(nope + rope)
-    ]
-    latent_rows = [*range(config.kv_lora_rank), *(config.kv_lora_rank + i for i in inverse)]
+    """Our (random) weights into transformers' layer: the same layout, one to one."""
     with torch.no_grad():
         query = ours.query if ours.query is not None else ours.query_up
-        (theirs.q_proj if config.q_lora_rank is None else theirs.q_b_proj).weight.copy_(query.weight[query_rows])
+        (theirs.q_proj if config.q_lora_rank is None else theirs.q_b_proj).weight.copy_(query.weight)
         if config.q_lora_rank is not None:
             theirs.q_a_proj.weight.copy_(ours.query_down.weight)
             theirs.q_a_layernorm.weight.copy_(ours.query_norm.weight)
-        theirs.kv_a_proj_with_mqa.weight.copy_(ours.key_value_down.weight[latent_rows])
+        theirs.kv_a_proj_with_mqa.weight.copy_(ours.key_value_down.weight)
         theirs.kv_a_layernorm.weight.copy_(ours.key_value_norm.weight)
         theirs.kv_b_proj.weight.copy_(ours.key_value_up.weight)
         theirs.o_proj.weight.copy_(ours.dense.weight)

@@ -99,6 +99,11 @@ class MLAConfig(MixerConfig):
     rotary: RotaryConfig = field(
         factory=DefaultRotaryConfig, doc="Rotary position embedding of the rotary parts (`none` for NoPE)."
     )
+    interleaved_rotary: bool = field(
+        False,
+        doc="Rotary turns adjacent channels (2i, 2i+1) of the rotary parts as pairs (DeepSeek's checkpoints, "
+        "transformers' rope_interleave) instead of (i, i + rotary_head_size/2).",
+    )
     softmax_scale: float | None = field(
         None,
         doc="Multiplies the query·key logits. None: (nope_head_size + rotary_head_size)**-0.5 (DeepSeek with YaRN "

@@ -135,9 +135,7 @@ class MultiHeadLatentAttention(Mixer):
             query = self.query_up(self.query_norm(self.query_down(hidden)))
         query = query.unflatten(-1, (self._local_heads, self.config.query_key_head_size))
         nope, rotary = query.split([self.config.nope_head_size, self.config.rotary_head_size], dim=-1)
-        if tables is not None:
-            rotary = apply_rotary(rotary, tables)
-        return nope, rotary
+        return nope, self._rotate(rotary, tables)
 
     def _latents(self, hidden: torch.Tensor, tables) -> tuple[torch.Tensor, torch.Tensor]:
         """The normalized latent (this rank's tokens under sequence-tensor parallelism) and the rotated shared key
@@ -147,9 +145,17 @@ class MultiHeadLatentAttention(Mixer):
         )
         enter = gather_tokens if self.distributed.sequence_tensor_parallel else copy_to_tensor_region
         rotary_key = enter(rotary_key, self.distributed.tensor_group)
-        if tables is not None:
-            rotary_key = apply_rotary(rotary_key[:, None], tables)[:, 0]
-        return self.key_value_norm(latent), rotary_key
+        return self.key_value_norm(latent), self._rotate(rotary_key[:, None], tables)[:, 0]
+
+    def _rotate(self, rotary: torch.Tensor, tables) -> torch.Tensor:
+        """Rotary on `[tokens, heads, rotary]`. Interleaved pairs (2i, 2i+1) are first gathered into the rotate-half
+        layout (i, i + size/2), as transformers does: queries and keys alike, so the logits are those of the
+        interleaved rotation, and the cache holds rotated keys in that layout."""
+        if tables is None:
+            return rotary
+        if self.config.interleaved_rotary:
+            rotary = torch.cat([rotary[..., 0::2], rotary[..., 1::2]], dim=-1)
+        return apply_rotary(rotary, tables)
 
     def _keys_values(self, latent: torch.Tensor, rotary_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's key `[tokens, heads, nope + rotary]` and value `[tokens, heads, value]` from the latents."""
