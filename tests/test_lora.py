@@ -109,6 +109,25 @@ def test_mamba_2_adapter_on_z_only_updates_the_z_rows():
     torch.testing.assert_close(in_proj(x), expected, atol=1e-6, rtol=1e-5)
 
 
+MOE = {"type": "moe", "experts": 4, "experts_per_token": 2, "intermediate_size": 16}
+
+
+def test_moe_apply_peft_adapts_the_shared_experts_and_is_refused_without_them():
+    """The routed experts' projections (one tensor of all experts) take no adapter: `apply_peft` on gate/up/down
+    adapts the shared experts' projections only, and without shared experts it is refused by its field."""
+    mlp = {**MOE, "shared_experts": 1, "up": {"apply_peft": True}, "down": {"apply_peft": True}}
+    model = model_of({"moe": {"mixer": ATTENTION, "mlp": mlp}})
+    adapted = {linear.name for linear, _ in adapters(model)}
+    assert adapted == {
+        f"decoder.0.{name}" for name in ("mixer.query", "mixer.key_value", "mlp.shared_gate_up", "mlp.shared_down")
+    }
+    assert set(model.decoder[0].mlp.shared_gate_up.adapter.lora_a) == {"1"}  # up of gate‖up
+    assert not any(parameter.requires_grad for parameter in model.decoder[0].mlp.gate_up.parameters())
+    for part in ("up", "down", "gate"):
+        with pytest.raises(ConfigError, match=rf"mlp\.{part}\.apply_peft: routed experts take no PEFT adapters"):
+            model_of({"moe": {"mixer": ATTENTION, "mlp": {**MOE, part: {"apply_peft": True}}}})
+
+
 def test_only_adapters_train_with_the_linears_lr_scale_and_weight_decay():
     mixer = {**ATTENTION, "query": {"lr_scale": 0.5, "weight": {"weight_decay": False}}}
     model = model_of({"attn": {"mixer": mixer, "mlp": MLP}})

@@ -74,9 +74,21 @@ class MoEMLPConfig(MLPConfig):
         doc="The router, hidden -> experts logits. Its own initialization and lr_scale; no bias unless "
         "`bias.enabled` (`add_linear_biases` does not apply to it).",
     )
-    gate: LinearConfig = field(factory=LinearConfig, doc="The experts' gate projection (gated only).")
-    up: LinearConfig = field(factory=LinearConfig, doc="The experts' up projection.")
-    down: LinearConfig = field(factory=LinearConfig, doc="The experts' down projection, back to the hidden size.")
+    gate: LinearConfig = field(
+        factory=LinearConfig,
+        doc="The experts' gate projection (gated only). `apply_peft` adapts the shared experts' only: routed experts "
+        "take no PEFT adapters.",
+    )
+    up: LinearConfig = field(
+        factory=LinearConfig,
+        doc="The experts' up projection. `apply_peft` adapts the shared experts' only: routed experts take no PEFT "
+        "adapters.",
+    )
+    down: LinearConfig = field(
+        factory=LinearConfig,
+        doc="The experts' down projection, back to the hidden size. `apply_peft` adapts the shared experts' only: "
+        "routed experts take no PEFT adapters.",
+    )
     add_linear_biases: bool = field(False, doc="Default `bias.enabled` of the expert (and shared-expert) projections.")
     routing: Routing = field(
         "softmax_top_k",
@@ -192,6 +204,14 @@ class MoEMLPConfig(MLPConfig):
             "router_jitter",
             f"must be < 1 (a noise factor in [1 - jitter, 1 + jitter]), got {self.router_jitter}",
         )
+        for part in ("gate", "up", "down"):
+            # The routed experts' projections are no `Linear` (one tensor of all experts): no adapter of theirs.
+            check(
+                getattr(self, part).apply_peft is not True or self.shared_experts > 0,
+                f"{part}.apply_peft",
+                "routed experts take no PEFT adapters, only the shared experts' projections do, and this MoE has no "
+                "shared experts (shared_experts: 0)",
+            )
         if self.gated:
             check(
                 self.has_bias(self.gate) == self.has_bias(self.up),
