@@ -8,7 +8,8 @@ Each case is an example config (random tokens): `gpu` (examples/gpu.yaml, a 100M
 Trainer (`blockzoo.training.trainer.Trainer` in this process: `warmup + steps` steps, a log line every step, output
 under a temporary directory, its one checkpoint at the end, after the timing) is timed from its log lines, and the
 bare step (build, `parallelize`, optimizer, loss, backward, step; no data pipeline, no clipping, no logging) on
-random tokens of the same shape. Both take their model from the same seed. MFU as the Trainer reports it: the
+random tokens of the same shape, one document per row in both (the Trainer's random dataset told so). Both take
+their model from the same seed. MFU as the Trainer reports it: the
 layers' own FLOP counts over 989 TFLOP/s. Targets (issue 11): Trainer overhead ≤ 3% of the bare step (speed ratio
 ≥ 0.97); gpu_hybrid's MFU through the Trainer ≥ 21% (2× the 10.5% measured on 2026-11-30).
 """
@@ -114,6 +115,11 @@ class Suite:
         total = self.arguments.warmup + self.arguments.steps
         with tempfile.TemporaryDirectory(prefix="blockzoo-bench-") as directory:
             extra = [f"training.train_iters={total}", "training.log_interval=1", f"training.output_dir={directory}"]
+            config = load(case, setting, extra, tiny=self.arguments.tiny)
+            # One document per row, as the bare step's tokens: the random dataset's documents of random lengths
+            # would make the Trainer's step other work (varlen attention, SSM resets), not overhead.
+            length = config.data.sequence_length
+            extra.append(f"data.min_document_length={length}")
             config = load(case, setting, extra, tiny=self.arguments.tiny)
             stamps: list[tuple[int, float]] = []
             lines: list[str] = []

@@ -23,8 +23,8 @@ import functools
 import itertools
 import math
 import signal
-import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,9 +67,20 @@ from blockzoo.model.factory import (
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
+from blockzoo.training.metrics import MetricsFile
 from blockzoo.training.optimizer import learning_rate, unique_trainable
+from blockzoo.training.progress import Progress, write_line
 from blockzoo.training.random_state import random_states, restore_random_states
-from blockzoo.training.reporting import Throughput, memory_report, memory_usage, peak_flops, step_line
+from blockzoo.training.reporting import (
+    Throughput,
+    memory_report,
+    memory_usage,
+    metrics_entry,
+    parameters_line,
+    peak_flops,
+    step_line,
+    tokens_line,
+)
 from blockzoo.training.step import PlacedMicroBatch, StepData, place_micro_batch, to_host
 
 
@@ -145,6 +156,7 @@ class Trainer:
             get_format(self.config.export_format).check_model_config(run_config.model)
         torch.manual_seed(run_config.distributed.seed)
         last = latest_checkpoint(self.output_dir, report=self.log)  # a corrupted newer one is skipped, and said
+        self.resumed_from = last
         with uninitialized(pretrained is not None or last is not None):  # the checkpoint has every weight
             if run_config.distributed.pipeline_parallel > 1:  # this rank's stages only
                 self.model = build_pipeline_model(run_config.model, self.distributed)
@@ -173,6 +185,7 @@ class Trainer:
         self.data = build_dataset(
             run_config.data, seed=run_config.distributed.seed, model_vocab_size=run_config.model.embeddings.vocab_size
         )
+        self._check_evaluation()
         self.step = 0
         self.data_position: Any = None
         self.history: list[StepRecord] = []
@@ -212,7 +225,8 @@ class Trainer:
 
     def run(self) -> list[StepRecord]:
         """Train to `train_iters` (or, after SIGTERM / SIGINT, to the next step boundary, saving there)."""
-        with _StopSignals(self.log) as signals:
+        bar = Progress(total=self.config.train_iters, initial=self.step, enabled=self._shows_progress())
+        with _StopSignals(self.log) as signals, bar as self._progress:
             try:
                 return self._run(signals)
             except Stopped as stopped:
@@ -223,6 +237,11 @@ class Trainer:
 
     def _run(self, signals: _StopSignals) -> list[StepRecord]:
         trained = self.step < self.config.train_iters
+        self._log_start()
+        if not trained:
+            return self.history
+        metrics = MetricsFile(self.output_dir, start_step=self.step) if self.distributed.rank == 0 else None
+        started = time.perf_counter()
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
         self._upcoming = self._next_step_data(batches) if trained else None
@@ -237,12 +256,18 @@ class Trainer:
             self.data_position = current.position
             self.history.append(record)
             timer.add(current.tokens, current.flops)
+            entry = {}  # this step's line of the metrics file, if it logs anything
             if self.step % self.config.log_interval == 0 or self.step == self.config.train_iters:
                 self.log(step_line(record, self.config.train_iters, timer))
+                entry = metrics_entry(record, self.step * current.tokens, time.perf_counter() - started, timer)
                 timer.reset()
             evaluation = self.config.evaluation
             if evaluation.interval and (self.step % evaluation.interval == 0 or self.step == self.config.train_iters):
-                self._evaluate()
+                tokens = self.step * current.tokens
+                entry = {"step": self.step, "tokens": tokens, **entry, "evaluation_loss": self._evaluate()}
+            if entry and metrics is not None:
+                metrics.write(entry)
+            self._progress.advance(record.loss)
             interval = self.config.checkpoint_interval
             stop = self._stop_requested(signals)
             if (interval and self.step % interval == 0) or self.step == self.config.train_iters or stop:
@@ -255,6 +280,42 @@ class Trainer:
         if trained and self.config.export_format is not None:
             self.export()
         return self.history
+
+    def _shows_progress(self) -> bool:
+        """A progress bar on rank 0 when the log is the terminal's (the bar itself needs stderr to be one)."""
+        return self.distributed.rank == 0 and self._log is _print
+
+    def _log_start(self) -> None:
+        """What the run will do: its parameters per kind of layer, its tokens per step, where it writes and where it
+        starts (or that it has nothing to do)."""
+        train_iters = self.config.train_iters
+        self.log(parameters_line(self.model, pipeline_stages=self.run_config.distributed.pipeline_parallel))
+        self.log(tokens_line(self.run_config, self.distributed.data_size))
+        if self.step >= train_iters:
+            self.log(
+                f"nothing to do: the run in {self.output_dir} is complete ({self.resumed_from} is at step {self.step}, "
+                f"training.train_iters is {train_iters}; raise it to train further)"
+            )
+        elif self.resumed_from is not None:
+            self.log(
+                f"output directory {self.output_dir}: resuming from {self.resumed_from} at step {self.step}, "
+                f"training to step {train_iters}"
+            )
+        else:
+            self.log(f"output directory {self.output_dir}: a new run of {train_iters} steps")
+
+    def _check_evaluation(self) -> None:
+        """An evaluation that cannot happen (an empty or too small validation split) is refused before any step."""
+        interval = self.config.evaluation.interval
+        if interval is None:
+            return
+        try:
+            self.data.evaluation_batches(**self._data_rank())
+        except DatasetError as error:
+            raise DatasetError(
+                f"training.evaluation.interval is {interval}, but {error}; or turn evaluation off: "
+                "training.evaluation.interval=null"
+            ) from None
 
     def _stop_requested(self, signals: _StopSignals) -> bool:
         """Whether any rank received a stop signal (every rank calls it at every step boundary)."""
@@ -383,6 +444,7 @@ class Trainer:
         # squares[tensor-parallel split][replicated, experts (split over data), FSDP shards (over data × sequence)]
         squares = torch.zeros(2, 3, device=distributed.device)
         grads = []
+        kinds: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         copies = set() if self.pipeline is None else self.pipeline.copies
         for name, parameter in self.model.named_parameters():
             if not parameter.requires_grad or parameter.grad is None:
@@ -392,7 +454,11 @@ class Trainer:
             if name in copies:
                 continue
             split = 1 if meta.data_parallel_sharded else 2 if is_sharded(parameter) else 0
-            squares[int(meta.tensor_parallel), split] += grad.float().pow(2).sum()
+            kinds.setdefault((int(meta.tensor_parallel), split, grad.dtype), []).append(grad)
+        # One multi-tensor norm per kind: a few kernels in all, not several per parameter (a step of a small model
+        # is bound by the host's kernel launches).
+        for (parallel, split, _), kind in kinds.items():
+            squares[parallel, split] += torch.stack(torch._foreach_norm(kind, 2)).float().pow(2).sum()
         if distributed.tensor_group is not None and distributed.tensor_size > 1:
             dist.all_reduce(squares[1], group=distributed.tensor_group)
         for split, group, size in (
@@ -512,4 +578,4 @@ class Trainer:
 
 
 def _print(message: str) -> None:
-    print(message, file=sys.stdout, flush=True)
+    write_line(message)  # above the progress bar, if there is one

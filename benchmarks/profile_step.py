@@ -1,0 +1,140 @@
+"""Where a training step's time goes: the Trainer and the bare step of an example config under torch.profiler.
+
+    python benchmarks/profile_step.py [examples/gpu_hybrid.yaml] [--steps 6] [--warmup 4] [--top 15]
+        [--trace DIR] [KEY=VALUE ...]
+
+For each of the two (the Trainer with a log line per step; the bare step of benchmarks/ours.py), after `--warmup`
+steps it profiles `--steps` steps (the bare step: one document per row; the Trainer: the config's data, or whole rows
+with `--one-document-per-row`) and prints: wall time per step, the GPU's busy time per step (the union of its
+kernels' intervals), so whether the step waits on the host, and the operators and kernels that take the most time.
+`--trace DIR` also writes Chrome traces (open in Perfetto). It answers questions the timing suites cannot, such as
+why the Trainer's eager hybrid step takes longer than the bare one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/profile_step.py`: see llama.py
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import harness, ours
+from benchmarks.trainer import STEP_LINE
+
+
+def busy_seconds(events) -> float:
+    """The union of the GPU kernels' intervals (overlapping streams counted once)."""
+    intervals = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in events
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, current_start, current_end = 0.0, None, None
+    for start, end in intervals:
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                busy += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        busy += current_end - current_start
+    return busy / 1e6  # microseconds
+
+
+def report(name: str, profiler, steps: int, wall_s: float, top: int, trace: Path | None) -> None:
+    events = profiler.events()
+    print(f"\n## {name}: {wall_s / steps * 1e3:.1f} ms per step, GPU busy {busy_seconds(events) / steps * 1e3:.1f} ms")
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    print(averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace / f"{name.replace(' ', '_')}.json"))
+
+
+def profile_bare(config, arguments) -> None:
+    model, optimizer = ours.build(config)
+    tokens = ours.random_tokens(
+        config.data.micro_batch_size, config.data.sequence_length, config.model.embeddings.vocab_size, "cuda"
+    )
+    step = ours.bare_step(model, optimizer, tokens)
+    for _ in range(arguments.warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        start = time.perf_counter()
+        for _ in range(arguments.steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    report("bare step", profiler, arguments.steps, wall, arguments.top, arguments.trace)
+
+
+def profile_trainer(config_path, overrides, arguments) -> None:
+    from blockzoo.config import load as load_config
+    from blockzoo.run_config import RunConfig
+    from blockzoo.training.trainer import Trainer
+
+    total = arguments.warmup + arguments.steps
+    with tempfile.TemporaryDirectory(prefix="blockzoo-profile-") as directory:
+        extra = [f"training.train_iters={total}", "training.log_interval=1", f"training.output_dir={directory}"]
+        config = load_config(RunConfig, config_path, [*overrides, *extra])
+        if arguments.one_document_per_row:  # as the bare step's tokens
+            extra.append(f"data.min_document_length={config.data.sequence_length}")
+            config = load_config(RunConfig, config_path, [*overrides, *extra])
+        state: dict = {"seen": 0}
+        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+        def log(message: str) -> None:
+            if not STEP_LINE.search(message):
+                return
+            state["seen"] += 1
+            if state["seen"] == arguments.warmup:
+                torch.cuda.synchronize()
+                profiler.start()
+                state["start"] = time.perf_counter()
+            elif state["seen"] == total:
+                torch.cuda.synchronize()
+                state["wall"] = time.perf_counter() - state["start"]
+                profiler.stop()
+
+        trainer = Trainer(config, log=log)
+        trainer.run()
+        trainer.distributed.shutdown()
+    report("Trainer", profiler, arguments.steps, state["wall"], arguments.top, arguments.trace)
+
+
+def main() -> None:
+    command = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_argument("config", nargs="?", default=str(harness.REPOSITORY / "examples" / "gpu_hybrid.yaml"))
+    command.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the config")
+    command.add_argument("--steps", type=int, default=6)
+    command.add_argument("--warmup", type=int, default=4)
+    command.add_argument("--top", type=int, default=15)
+    command.add_argument("--trace", type=Path, default=None)
+    command.add_argument("--only", choices=["bare", "trainer"], default=None)
+    command.add_argument(
+        "--one-document-per-row",
+        action="store_true",
+        help="the Trainer's random data in whole rows, as the bare step's (else documents of random lengths)",
+    )
+    arguments = command.parse_args()
+    from blockzoo.config import load as load_config
+    from blockzoo.run_config import RunConfig
+
+    if arguments.only in (None, "bare"):
+        profile_bare(load_config(RunConfig, arguments.config, arguments.overrides), arguments)
+    if arguments.only in (None, "trainer"):
+        profile_trainer(arguments.config, arguments.overrides, arguments)
+
+
+if __name__ == "__main__":
+    main()
