@@ -520,8 +520,32 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def update(config: ConfigT, changes: Mapping[str, Any], *, source: str | None = None) -> ConfigT:
-    """A new config: `config`'s explicit fields with `changes` merged over them. Defaults are re-derived."""
+    """A new config: `config`'s explicit fields with `changes` merged over them. Defaults are re-derived. A part
+    whose `type` the changes replace keeps its explicit fields that the new type also has (`data.type=memmap`
+    keeps the `sequence_length` the file set for its embedded data); the new type's defaults fill the rest."""
+    changes = _carry_over(config, changes)
     return structure(merge(to_dict(config, explicit_only=True), changes), type(config), source=source)
+
+
+def _carry_over(config: Any, changes: Any) -> Any:
+    """`changes`, where one gives a part another `type`, completed with the part's explicit fields that the new type
+    also has (the changes' own values first). A type that does not resolve is left for `structure` to report."""
+    if not isinstance(changes, Mapping):
+        return changes
+    if isinstance(config, PolymorphicConfig) and "type" in changes:
+        try:
+            target = _registry().resolve(config.kind, changes["type"]).config_class
+        except Exception:  # noqa: BLE001 - an unknown or malformed type: structure names it at its field
+            return changes
+        if target is not type(config):
+            fields = attrs.fields_dict(target)
+            kept = {key: value for key, value in to_dict(config, explicit_only=True).items() if key in fields}
+            return {**kept, **changes}
+    if isinstance(config, Config):
+        return {key: _carry_over(getattr(config, key, None), value) for key, value in changes.items()}
+    if isinstance(config, Mapping):  # a mapping of names to configs (a pattern's blocks)
+        return {key: _carry_over(config.get(key), value) for key, value in changes.items()}
+    return changes
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
