@@ -4,6 +4,10 @@ gradients; only the adapters train."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +15,10 @@ import torch
 from format_checks import random_model
 from hf_cases import _ATTENTION, CASES, TOKENS, hf_logits, load_hf, our_logits, transformers_model
 from hf_cases_mamba2 import CASES as MAMBA2_CASES
+from safetensors.torch import load_file
 
 import blockzoo
+from blockzoo.checkpoint import latest_checkpoint, read_checkpoint_metadata
 from blockzoo.cli import main
 from blockzoo.config import load as load_config
 from blockzoo.conversion import ConversionError
@@ -229,6 +235,9 @@ def test_the_lora_example_fine_tunes_a_llama_and_its_adapters_load_in_peft(tmp_p
     trainer.run()
     losses = [record.loss for record in trainer.history]
     assert losses[-1] < losses[0], losses
+    checkpoint = latest_checkpoint(tmp_path / "run")  # the adapters only, and the Hugging Face base it refers to
+    assert all(".adapter." in name for name in load_file(checkpoint / "model.safetensors"))
+    assert read_checkpoint_metadata(checkpoint)["base"]["format"] == "llama"
     tuned = blockzoo.load(tmp_path / "run")
     untouched = blockzoo.load(base)
     base_weights = dict(untouched.named_parameters())
@@ -238,9 +247,26 @@ def test_the_lora_example_fine_tunes_a_llama_and_its_adapters_load_in_peft(tmp_p
     expected = our_logits(tuned)
     assert not torch.allclose(expected, our_logits(untouched), atol=1e-3)
     torch.testing.assert_close(hf_logits(load_hf(tmp_path / "run" / "llama")), expected, **TOLERANCE)
-    save_adapters(tuned, tmp_path / "adapters", "llama", base_model=str(base))
+    # The adapters alone, through the command: peft puts them on the base with the fine-tuned model's logits.
+    command = [sys.executable, "-m", "blockzoo", "convert", str(tmp_path / "run"), str(tmp_path / "adapters")]
+    subprocess.run([*command, "--format", "llama", "--adapters"], check=True, capture_output=True)
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        base
+    )
     theirs = peft.PeftModel.from_pretrained(load_hf(base), tmp_path / "adapters").eval()
     torch.testing.assert_close(theirs(input_ids=TOKENS).logits, expected, **TOLERANCE)
+
+
+def test_convert_adapters_refuses_what_has_no_adapters(exported_llama, tmp_path, capsys):
+    """--adapters of a model without PEFT, of a Hugging Face directory, without a format: exit 2, said."""
+    blockzoo.save(blockzoo.load(exported_llama), tmp_path / "plain")
+    for source, format_options, message in (
+        (tmp_path / "plain", ["--format", "llama"], "no PEFT fine-tuning"),
+        (exported_llama, ["--format", "llama"], "no blockzoo checkpoint"),
+        (tmp_path / "plain", [], "give it \\(--format"),
+    ):
+        assert main(["convert", str(source), str(tmp_path / "out"), *format_options, "--adapters"]) == 2
+        assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("case", ["mistral", "qwen2", "mixtral", "qwen3_moe"])

@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a PEFT fine-tuning (LoRA) written natively as the model without PEFT, its adapters merged into the "
         "weights (exports to another format always merge)",
     )
+    convert.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a PEFT fine-tuning's adapters alone, in the --format's adapter files (Hugging Face PEFT: "
+        "adapter_config.json + adapter_model.safetensors), for the base model exported to that format",
+    )
     convert.set_defaults(run=_convert)
 
     from blockzoo.data.cli import register_data_command
@@ -185,6 +191,14 @@ def _convert(arguments: argparse.Namespace) -> int:
     from blockzoo.model.factory import convert
 
     options = {} if arguments.dtype is None else {"dtype": arguments.dtype}
+    if arguments.adapters:
+        from blockzoo.model.factory import export_adapters
+
+        if arguments.merged or options:
+            raise UsageError("--adapters writes the adapters alone: --merged and --dtype do not apply")
+        destination = export_adapters(arguments.source, arguments.destination, format=arguments.format)
+        print(f"wrote {destination} ({arguments.format} adapters)")
+        return 0
     destination = convert(
         arguments.source, arguments.destination, format=arguments.format, merged=arguments.merged, **options
     )

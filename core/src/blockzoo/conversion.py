@@ -407,6 +407,11 @@ class CheckpointFormat:
         `save`)."""
         raise NotImplementedError
 
+    def save_adapters(self, model: Any, directory: Path, *, base_model: str | None = None) -> Path:
+        """Write the PEFT adapters of `model` (a fine-tuning, `model.peft`) in this format's own adapter files, for
+        the export of its base model (`base_model`: where that base is, recorded for the loader). Optional."""
+        raise ConversionError(f"the {self.name} format has no adapter files: export the merged model instead")
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What the plugins registered

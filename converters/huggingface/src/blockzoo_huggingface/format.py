@@ -285,6 +285,12 @@ class HuggingfaceFormat(CheckpointFormat):
 
         return weights.export_checkpoint(self, Path(source), Path(destination), **options)
 
+    def save_adapters(self, model: Any, directory: Path, *, base_model: str | None = None) -> Path:
+        """Hugging Face PEFT files: `adapter_config.json` + `adapter_model.safetensors` (`adapters.save_adapters`)."""
+        from blockzoo_huggingface import adapters
+
+        return adapters.save_adapters(model, Path(directory), self.name, base_model=base_model)
+
 
 def _decoder(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     """A `fixed` decoder when every layer's block is the same, else a `pattern` of the distinct blocks (named by

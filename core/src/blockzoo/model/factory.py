@@ -165,6 +165,24 @@ def convert(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def export_adapters(source: str | Path, destination: str | Path, *, format: str | None) -> Path:
+    """Write the PEFT adapters of a native fine-tuning checkpoint (or a run's latest) in `format`'s adapter files
+    (Hugging Face PEFT for its formats), recording the base the checkpoint refers to, if it holds adapters only."""
+    source = Path(source)
+    if format in (None, "blockzoo"):
+        raise ConversionError("adapters are exported to another format's adapter files: give it (--format llama, ...)")
+    target = get_format(format)
+    if not source.exists():
+        raise CheckpointError(source, "does not exist")
+    if _foreign_format(source) is not None:
+        raise ConversionError(f"{source} is no blockzoo checkpoint: only a blockzoo fine-tuning's adapters export")
+    directory = _checkpoint_directory(source)
+    if not read_checkpoint_config(directory).get("model", {}).get("peft"):
+        raise ConversionError(f"{source} is no PEFT fine-tuning (its model has no `peft`): it has no adapters")
+    base = read_checkpoint_metadata(directory).get("base")
+    return target.save_adapters(load(directory), Path(destination), base_model=base["path"] if base else None)
+
+
 def _save_without_peft(model: LanguageModel, path: str | Path, format: str, options: dict) -> Path:
     """Save `model`, whose adapters are merged and detached, as the model without PEFT."""
     config, run_config = model.config, getattr(model, "run_config", None)
