@@ -18,3 +18,10 @@ def plugin_info() -> PluginInfo:
 @hookimpl
 def register_mixers(register) -> None:
     register("mla", MLAConfig, "blockzoo_mla.mla:MultiHeadLatentAttention")
+
+
+@hookimpl
+def register_converters(register) -> None:
+    from blockzoo_mla.huggingface import register_sections  # torch-free, like every hook's imports
+
+    register_sections(register)

@@ -82,7 +82,16 @@ def mlp_section(
 def register_sections(register: Callable[[str, Section], None]) -> None:
     """The MLP section of every Hugging Face format with dense MLPs (the MoE formats: their dense layers)."""
     register("llama", mlp_section(bias="mlp_bias"))
-    for format_name in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "apriel_hybrid_ssm"):
+    for format_name in (
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen3_next",
+        "apriel_hybrid_ssm",
+        "deepseek_v3",
+    ):
         register(format_name, mlp_section())
     register("jamba", mlp_section(name="feed_forward"))
     register("bamba", mlp_section(bias="mlp_bias", name="feed_forward"))

@@ -345,6 +345,71 @@ NEMOTRON_H = Section(
 )
 
 
+def _import_deepseek_shared(data: Mapping[str, Any]) -> dict[str, Any]:
+    count = data.get("n_shared_experts", 1)
+    if not isinstance(count, int) or count < 1:
+        raise ConversionError(f"`n_shared_experts` = {count!r}: DeepSeek-V3's MoE layers have at least one")
+    return {"shared_experts": count, "shared_intermediate_size": None}
+
+
+def _export_deepseek_shared(config: MoEMLPConfig) -> dict[str, Any]:
+    width, expert = config.shared_width, config.intermediate_size
+    if not width or width % expert:
+        raise ConversionError(
+            f"shared experts of width {width} cannot be written: DeepSeek-V3's shared MLP is n_shared_experts ≥ 1 "
+            f"routed experts wide ({expert} each)"
+        )
+    return {"n_shared_experts": width // expert}
+
+
+# DeepSeek-V3: gated experts, shared experts n_shared_experts routed experts wide, the sigmoid router choosing among
+# its best groups with a correction bias. `layers.N.mlp.{gate,experts.E,shared_experts}`.
+DEEPSEEK_V3 = Section(
+    config_class=MoEMLPConfig,
+    name="mlp",
+    config=(
+        # The defaults: transformers' DeepseekV3Config.
+        Rename("experts", "n_routed_experts", default=256),
+        Rename("experts_per_token", "num_experts_per_tok", default=8),
+        Rename("intermediate_size", "moe_intermediate_size", default=2048),
+        Computed(
+            ("shared_experts", "shared_intermediate_size"),
+            ("n_shared_experts",),
+            import_=_import_deepseek_shared,
+            export=_export_deepseek_shared,
+        ),
+        Constant("shared_expert_gate", None),
+        Constant("gated", True),
+        transformers_activation("hidden_act"),
+        NO_BIASES,
+        Constant("routing", "sigmoid_top_k"),
+        Rename("norm_topk_prob", "norm_topk_prob", default=True),
+        Rename("routed_scale", "routed_scaling_factor", default=2.5),
+        Rename("routing_groups", "n_group", default=8),
+        Rename("routing_groups_per_token", "topk_group", default=4),
+        Constant("score_correction_bias", True),
+        Ignored(
+            ours=("auxiliary_loss_coefficient", "router_jitter"),
+            theirs=("output_router_logits",),
+            reason="training and output options; DeepSeek-V3 stores none (its correction bias balances the experts)",
+        ),
+        TRAINING_ONLY,
+    ),
+    weights=lambda config: [
+        Weight("router.weight", "gate.weight"),
+        Weight("score_correction_bias", "gate.e_score_correction_bias"),
+        Concatenated(
+            "gate_up.weight",
+            _experts("experts.{}.gate_proj.weight", config.experts)
+            + _experts("experts.{}.up_proj.weight", config.experts),
+        ),
+        Concatenated("down.weight", _experts("experts.{}.down_proj.weight", config.experts), transposed=True),
+        Concatenated("shared_gate_up.weight", ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")),
+        Weight("shared_down.weight", "shared_experts.down_proj.weight"),
+    ],
+)
+
+
 def register_sections(register: Callable[[str, Section], None]) -> None:
     """The MoE section of every Hugging Face MoE format."""
     register("mixtral", MIXTRAL)
@@ -353,3 +418,4 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
     register("qwen3_moe", _qwen_section(shared=False, experts_key="num_experts"))
     register("jamba", JAMBA)
     register("nemotron_h", NEMOTRON_H)
+    register("deepseek_v3", DEEPSEEK_V3)
