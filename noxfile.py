@@ -21,6 +21,7 @@ DEMO_FOLDERS = [
     Path("mixers/attention"),
     Path("mixers/mamba_2"),
     Path("mixers/gated_delta_net"),
+    Path("mixers/mla"),
     Path("mlps/mlp"),
     Path("mlps/moe"),
 ]
@@ -71,7 +72,8 @@ def tests(session: nox.Session, distribution: str) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
     reload its checkpoint and continue a prompt. `nox -s demo -- moe` (or `-- hybrid`) does the same with
-    examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2; `-- gated_delta_net`: Gated DeltaNet + attention)."""
+    examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2; `-- gated_delta_net`: Gated DeltaNet + attention;
+    `-- mla`: Mamba 2 + multi-head latent attention with MoE)."""
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
     output = Path(session.create_tmp()) / example
