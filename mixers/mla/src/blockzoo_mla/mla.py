@@ -46,6 +46,14 @@ from blockzoo_attention.rotary import apply_rotary, rotary_tables
 from blockzoo_mla.config import MLAConfig
 
 
+def _one_head_size(kernel: str, prepared) -> bool:
+    """Whether the kernel needs values of the query/key head size: flash's varlen and FlexAttention do; SDPA (the
+    `torch` kernel, and `batched` over documents of one length) takes any value head size."""
+    if kernel == "torch":
+        return False
+    return not (kernel == "batched" and isinstance(prepared, dict) and "documents" in prepared)
+
+
 class LatentCache:
     """The latent KV cache for generation: `latent` `[sequences, max_length, key_value_rank]` (after
     `key_value_norm`) and `rotary_key` `[sequences, max_length, rotary_head_size]` (after rotary). Replicated over
@@ -194,16 +202,17 @@ class MultiHeadLatentAttention(Mixer):
         if state is not None and implementation == "flex":
             implementation = "auto"  # Every decoding step has new shapes, and each would recompile FlexAttention.
         kernel = select_kernel(implementation, query)
-        value_size, query_size = self.config.value_head_size, self.config.query_key_head_size
-        if kernel.name != "torch" and value_size != query_size:
-            # The flash kernels take one head size: zero value channels give zero output channels, cut off after.
-            value = F.pad(value, (0, query_size - value_size)) if value_size < query_size else value
-            if value_size > query_size:
-                query, key = (F.pad(tensor, (0, value_size - query_size)) for tensor in (query, key))
         prepared = batch.preprocessed(
             ("blockzoo_mla.kernel", kernel.name, state is not None),
             lambda: kernel.prepare(queries, keys, True, None),
         )
+        value_size, query_size = self.config.value_head_size, self.config.query_key_head_size
+        if value_size != query_size and _one_head_size(kernel.name, prepared):
+            # Zero value channels give zero output channels, cut off below; zero query/key channels add nothing.
+            if value_size < query_size:
+                value = F.pad(value, (0, query_size - value_size))
+            else:
+                query, key = (F.pad(tensor, (0, value_size - query_size)) for tensor in (query, key))
         output = kernel.attend(query, key, value, prepared, self.config.resolved_softmax_scale)
         return self.dense(output[..., :value_size].flatten(1))
 

@@ -1,0 +1,74 @@
+"""The GPU kernels of the MLA mixer against its CPU path (the `torch` kernel in fp32): outputs and gradients over
+packed documents with value heads narrower and wider than the query/key heads (the flash kernels get padded heads),
+and latent-cache decoding (expanded and absorbed) in bf16. Run on a GPU machine (skipped without CUDA).
+
+Tolerances as the attention plugin's GPU tests: relative errors fp32 1e-3 (TF32), bf16 2e-2 outputs, 3e-2 gradients.
+"""
+
+import pytest
+import torch
+from mla_reference import SEED, build
+
+from blockzoo.testing import check_decoding, check_matches_layer, single_process
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = 64
+LENGTHS = [37, 1, 90, 128]  # Not multiples of any block size.
+CASES = {
+    # DeepSeek-V3's proportions, small: nope 32 + rotary 16 = 48 per query/key head, values of 32.
+    "low-rank-query-interleaved": {
+        "heads": 4,
+        "query_rank": 48,
+        "key_value_rank": 32,
+        "nope_head_size": 32,
+        "rotary_head_size": 16,
+        "value_head_size": 32,
+        "interleaved_rotary": True,
+        "rotary": {"theta": 1000.0},
+    },
+    "value-wider-than-query-key": {
+        "heads": 4,
+        "key_value_rank": 32,
+        "nope_head_size": 8,
+        "rotary_head_size": 16,
+        "value_head_size": 40,
+    },
+}
+KERNEL_DTYPES = [("torch", torch.float32), ("torch", torch.bfloat16), ("flex", torch.bfloat16)]
+KERNEL_DTYPES += [("varlen", torch.bfloat16), ("batched", torch.bfloat16)]
+OUTPUT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 2e-2}}
+GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 3e-2}}
+DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("implementation", "dtype"), KERNEL_DTYPES, ids=lambda value: str(value))
+def test_kernel_matches_the_cpu_path(case, implementation, dtype):
+    check_matches_layer(
+        build({**CASES[case], "implementation": implementation}, single_process(SEED, backend="nccl"), hidden=HIDDEN),
+        build(CASES[case], hidden=HIDDEN),
+        lengths=LENGTHS,
+        dtype=dtype,
+        output_tolerance=OUTPUT_TOLERANCE[dtype],
+        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_batched_kernel_on_documents_of_one_length(case):
+    check_matches_layer(
+        build({**CASES[case], "implementation": "batched"}, single_process(SEED, backend="nccl"), hidden=HIDDEN),
+        build(CASES[case], hidden=HIDDEN),
+        lengths=[64, 64, 64],
+        dtype=torch.bfloat16,
+        output_tolerance=OUTPUT_TOLERANCE[torch.bfloat16],
+        gradient_tolerance=GRADIENT_TOLERANCE[torch.bfloat16],
+    )
+
+
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_latent_cache_decoding_equals_the_full_forward(absorbed):
+    gpu = single_process(SEED, backend="nccl")
+    layer = build({**CASES["low-rank-query-interleaved"], "absorbed_decoding": absorbed}, gpu, hidden=HIDDEN)
+    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.bfloat16], dtype=torch.bfloat16, **DECODING)
