@@ -11,6 +11,7 @@ from typing import Any
 from blockzoo.conversion import ConversionError, Fixed
 from blockzoo_huggingface.format import HuggingfaceFormat
 from blockzoo_huggingface.formats_deepseek import DEEPSEEK_FORMATS
+from blockzoo_huggingface.formats_granite import GRANITE_FORMATS
 from blockzoo_huggingface.formats_mamba import MAMBA_FORMATS
 from blockzoo_huggingface.formats_mamba2 import MAMBA2_FORMATS
 from blockzoo_huggingface.layouts import SlidingWindowLayers, SparseMoELayers, Uniform
@@ -81,4 +82,4 @@ TRANSFORMER_FORMATS = (
     ),
 )
 
-FORMATS = (*TRANSFORMER_FORMATS, *MAMBA_FORMATS, *MAMBA2_FORMATS, *DEEPSEEK_FORMATS)
+FORMATS = (*TRANSFORMER_FORMATS, *MAMBA_FORMATS, *MAMBA2_FORMATS, *GRANITE_FORMATS, *DEEPSEEK_FORMATS)

@@ -312,10 +312,13 @@ def attention_section(
     head_norms: bool = False,
     rotary: ConfigMapping = ROTARY,
     name: str = "self_attn",
+    softmax_scale: ConfigMapping | None = None,
+    head_size: ConfigMapping | None = None,
     extra: tuple[ConfigMapping, ...] = (),
 ) -> Section:
     """Llama-style attention (`self_attn.{q,k,v,o}_proj`, or under `name`), with the format's biases, window, head
-    norms and rotary embeddings (`NO_ROTARY`: none; `partial_rotary`), and `extra` keys of its own."""
+    norms and rotary embeddings (`NO_ROTARY`: none; `partial_rotary`), its softmax scale (None: head_dim**-0.5
+    only), its head size (None: `head_dim`, else hidden / heads), and `extra` keys of its own."""
     norms = (
         (Part("query_norm", type="rms_norm"), Part("key_norm", type="rms_norm"))
         if head_norms
@@ -332,12 +335,13 @@ def attention_section(
                 import_=lambda data: {"head_groups": data.get("num_key_value_heads") or data["num_attention_heads"]},
                 export=lambda config: {"num_key_value_heads": config.resolved_head_groups},
             ),
-            Computed(("head_size",), ("head_dim",), import_=_head_size, export=lambda c: {"head_dim": c.head_size}),
+            head_size
+            or Computed(("head_size",), ("head_dim",), import_=_head_size, export=lambda c: {"head_dim": c.head_size}),
             biases,
             rotary,
             Constant("causal", True),
             window,
-            Computed(("softmax_scale",), (), export=_softmax_scale),
+            softmax_scale or Computed(("softmax_scale",), (), export=_softmax_scale),
             *(norm for norm in norms if isinstance(norm, ConfigMapping)),
             Fixed("attention_dropout", 0.0),
             Ignored(ours=("implementation",), reason="the kernel is chosen for the device, not stored"),
@@ -346,6 +350,42 @@ def attention_section(
         parts=tuple(norm for norm in norms if isinstance(norm, Part)),
         weights=_weights,
     )
+
+
+def _import_granite_rotary(data: Mapping[str, Any]) -> dict[str, Any]:
+    kind = data.get("position_embedding_type")
+    if kind not in ("rope", None):
+        raise ConversionError(f"`position_embedding_type` = {kind!r} is not supported (rope, or null for none)")
+    return _import_rotary(data) if kind == "rope" else {"rotary": {"type": "none"}}
+
+
+def _export_granite_rotary(config: AttentionConfig) -> dict[str, Any]:
+    if get_registry().name_of(type(config.rotary)) == "none":
+        return {"position_embedding_type": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    return {"position_embedding_type": "rope", **_export_rotary(config)}
+
+
+# Granite: RoPE only with `position_embedding_type` rope (transformers writes `rope_parameters` either way), and the
+# softmax scale is `attention_multiplier` itself (not head_dim**-0.5).
+GRANITE_ROTARY = Computed(
+    ("rotary",),
+    ("rope_parameters", "position_embedding_type"),
+    import_=_import_granite_rotary,
+    export=_export_granite_rotary,
+)
+# Granite has no `head_dim`: hidden / heads (the format checks it on export, where the hidden size is known).
+IMPLIED_HEAD_SIZE = Computed(
+    ("head_size",),
+    (),
+    import_=lambda data: {"head_size": data["hidden_size"] // data["num_attention_heads"]},
+    export=lambda config: {},
+)
+GRANITE_SOFTMAX_SCALE = Computed(
+    ("softmax_scale",),
+    ("attention_multiplier",),
+    import_=lambda data: {"softmax_scale": float(data.get("attention_multiplier", 1.0))},
+    export=lambda config: {"attention_multiplier": config.resolved_softmax_scale},
+)
 
 
 def register_sections(register: Callable[[str, Section], None]) -> None:
@@ -361,6 +401,16 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
         attention_section(biases=all_biases("attention_bias"), window=sliding_window(default=None), head_norms=True),
     )
     register("qwen3_moe", attention_section(biases=all_biases("attention_bias"), window=QWEN3_WINDOW, head_norms=True))
+    register(
+        "granitemoehybrid",
+        attention_section(
+            biases=all_biases("attention_bias"),
+            window=Constant("window_size", None),
+            rotary=GRANITE_ROTARY,
+            softmax_scale=GRANITE_SOFTMAX_SCALE,
+            head_size=IMPLIED_HEAD_SIZE,
+        ),
+    )
     # The Mamba hybrids: Jamba's attention has no rotary embeddings; Apriel's "t" layers are Mistral's.
     register(
         "jamba", attention_section(biases=all_biases(None), window=Constant("window_size", None), rotary=NO_ROTARY)

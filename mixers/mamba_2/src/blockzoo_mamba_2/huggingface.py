@@ -302,6 +302,10 @@ SECTIONS: dict[str, Section] = {
 }
 
 
+# Granite-4.0 hybrid: Bamba's Mamba 2 layers (transformers' GraniteMoeHybridMambaLayer is BambaMixer), Bamba's keys.
+SECTIONS["granitemoehybrid"] = SECTIONS["bamba"]
+
+
 def register_sections(register: Callable[[str, Section], None]) -> None:
     """The Mamba 2 section of every Hugging Face format with Mamba 2 layers."""
     for format_name, section in SECTIONS.items():

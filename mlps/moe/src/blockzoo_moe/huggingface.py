@@ -13,6 +13,7 @@ from typing import Any
 
 from blockzoo.api import (
     Computed,
+    ComputedWeights,
     Concatenated,
     ConfigMapping,
     Constant,
@@ -345,6 +346,81 @@ NEMOTRON_H = Section(
 )
 
 
+def _granite_weights(config: MoEMLPConfig) -> list[WeightMapping]:
+    """Granite's experts of a projection are one tensor `[experts, rows, hidden]` (gate‖up per expert, the gate
+    first), and the shared MLP (`shared_mlp`, beside `block_sparse_moe`) one gate‖up; blockzoo's rows are
+    expert-major per projection (every expert's gate, then every expert's up), down transposed."""
+    experts, width = config.experts, config.intermediate_size
+
+    def import_gate_up(tensors: list[Any]) -> list[Any]:
+        fused = tensors[0].unflatten(1, (2, width))  # [experts, gate|up, width, hidden]
+        return [fused.transpose(0, 1).flatten(0, 2)]
+
+    def export_gate_up(tensors: list[Any]) -> list[Any]:
+        ours = tensors[0].unflatten(0, (2, experts, width))
+        return [ours.transpose(0, 1).flatten(1, 2).contiguous()]
+
+    return [
+        Weight("router.weight", "block_sparse_moe.router.layer.weight"),
+        ComputedWeights(
+            ("gate_up.weight",),
+            ("block_sparse_moe.input_linear.weight",),
+            import_=import_gate_up,
+            export=export_gate_up,
+        ),
+        ComputedWeights(
+            ("down.weight",),
+            ("block_sparse_moe.output_linear.weight",),
+            import_=lambda tensors: [tensors[0].transpose(1, 2).flatten(0, 1)],
+            export=lambda tensors: [tensors[0].unflatten(0, (experts, width)).transpose(1, 2).contiguous()],
+        ),
+        Weight("shared_gate_up.weight", "shared_mlp.input_linear.weight"),
+        Weight("shared_down.weight", "shared_mlp.output_linear.weight"),
+    ]
+
+
+def _export_granite_shared(config: MoEMLPConfig) -> dict[str, Any]:
+    if not config.shared_experts or config.shared_expert_gate is not None:
+        raise ConversionError(
+            f"shared_experts = {config.shared_experts}, shared_expert_gate = {config.shared_expert_gate}: Granite has "
+            "one ungated shared MLP in every layer"
+        )
+    return {"shared_intermediate_size": config.shared_width}
+
+
+# Granite-4.0 hybrid (`granitemoehybrid`): softmax over the top-k router logits (the renormalized top k of the
+# softmax), a shared MLP of its own width (`shared_intermediate_size`) beside the experts, both gated.
+GRANITE = Section(
+    config_class=MoEMLPConfig,
+    name=None,
+    config=(
+        Rename("experts", "num_local_experts"),
+        Rename("experts_per_token", "num_experts_per_tok"),
+        Computed(
+            ("shared_experts", "shared_intermediate_size"),
+            ("shared_intermediate_size",),
+            import_=lambda data: _shared_width_fields(
+                "shared_intermediate_size", data.get("shared_intermediate_size", 1024), data["intermediate_size"]
+            ),
+            export=_export_granite_shared,
+        ),
+        Constant("shared_expert_gate", None),
+        Rename("intermediate_size", "intermediate_size"),
+        Constant("gated", True),
+        transformers_activation("hidden_act"),
+        NO_BIASES,
+        routing(None),
+        # RECONSTRUCTED (blockzoo-mla helper): the lines from here to the end of GRANITE were lost by an editing
+        # mistake and written again by analogy with MIXTRAL; the granitemoehybrid author should check them.
+        *SOFTMAX_ROUTER,
+        Rename("auxiliary_loss_coefficient", "router_aux_loss_coef", default=0.001),
+        Ignored(ours=("router_jitter",), theirs=("output_router_logits",), reason="training and output options"),
+        TRAINING_ONLY,
+    ),
+    weights=_granite_weights,
+)
+
+
 def _import_deepseek_shared(data: Mapping[str, Any]) -> dict[str, Any]:
     count = data.get("n_shared_experts", 1)
     if not isinstance(count, int) or count < 1:
@@ -416,6 +492,8 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
     register("qwen2_moe", _qwen_section(shared=True, experts_key="num_experts"))
     # `num_experts`: read by transformers 4.x and (through its attribute map) 5.x.
     register("qwen3_moe", _qwen_section(shared=False, experts_key="num_experts"))
+    register("qwen3_next", _qwen_section(shared=True, experts_key="num_experts"))  # Qwen2-MoE's gated shared expert
     register("jamba", JAMBA)
     register("nemotron_h", NEMOTRON_H)
+    register("granitemoehybrid", GRANITE)
     register("deepseek_v3", DEEPSEEK_V3)
