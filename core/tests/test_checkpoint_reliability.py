@@ -181,7 +181,7 @@ def test_a_stop_signal_saves_at_the_step_boundary_and_the_run_resumes_exactly(tm
     _, straight = train(configure(tmp_path / "straight", *overrides))
     config = configure(tmp_path / "stopped", *overrides)
     messages = []
-    log = signal_at("[##########", 1)  # step 2/4's line
+    log = signal_at("step 2/4", 1)
     trainer = Trainer(config, log=lambda message: (messages.append(message), log(message)))
     first_half = trainer.run()
     assert [record.step for record in first_half] == [1, 2]
@@ -198,7 +198,7 @@ def test_a_stop_signal_saves_at_the_step_boundary_and_the_run_resumes_exactly(tm
 
 def test_a_second_signal_stops_at_once_leaving_no_partial_checkpoint(tmp_path, monkeypatch):
     config = configure(tmp_path, "training.train_iters=4", "training.checkpoint_interval=1")
-    trainer = Trainer(config, log=signal_at("[##########", 2, during_save=True, monkeypatch=monkeypatch))
+    trainer = Trainer(config, log=signal_at("step 2/4", 2, during_save=True, monkeypatch=monkeypatch))
     with pytest.raises(Stopped) as caught:
         trainer.run()
     assert (

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import traceback
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,8 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors in the CLI's one-line form (`blockzoo: error: ...`, exit 2) instead of the usage text."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(USAGE_ERROR, f"blockzoo: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockzoo", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="blockzoo", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--traceback", "--debug", action="store_true", help="show the traceback of an error (or BLOCKZOO_TRACEBACK=1)"
     )
@@ -97,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
         "adapter_config.json + adapter_model.safetensors), for the base model exported to that format",
     )
     convert.set_defaults(run=_convert)
+
+    plot = commands.add_parser("plot", help="draw the loss curves (or another metric) of runs to a PNG")
+    plot.add_argument("runs", nargs="+", metavar="RUN", help="a run's output_dir (its metrics.jsonl)")
+    plot.add_argument("-o", "--output", default="loss.png", help="the PNG to write (default: loss.png)")
+    plot.add_argument(
+        "--metric", default="loss", help="a key of metrics.jsonl (default: loss, with the evaluation loss dashed)"
+    )
+    plot.set_defaults(run=_plot)
 
     from blockzoo.data.cli import register_data_command
 
@@ -164,9 +180,13 @@ def _generate(arguments: argparse.Namespace) -> int:
     elif model.origin is not None and model.origin.directory == Path(arguments.checkpoint):
         raise UsageError(f"{arguments.checkpoint} has no tokenizer.json to encode the prompt with")
     else:
-        tokenizer = build_dataset(run_config.data, seed=run_config.distributed.seed).tokenizer
+        vocab_size = run_config.model.embeddings.vocab_size  # (random data takes the model's)
+        tokenizer = build_dataset(
+            run_config.data, seed=run_config.distributed.seed, model_vocab_size=vocab_size
+        ).tokenizer
         if tokenizer is None:
-            raise UsageError(f"the checkpoint's data ({run_config.data.kind} type) has no tokenizer to encode a prompt")
+            data_type = get_registry().name_of(type(run_config.data))
+            raise UsageError(f"the checkpoint's data ({data_type} type) has no tokenizer to encode a prompt")
         stop_tokens = getattr(tokenizer, "eod_token_id", None)
     prompts = [tokenizer.encode(prompt) for prompt in arguments.prompt]
     generator = torch.Generator().manual_seed(arguments.seed)
@@ -203,6 +223,17 @@ def _convert(arguments: argparse.Namespace) -> int:
         arguments.source, arguments.destination, format=arguments.format, merged=arguments.merged, **options
     )
     print(f"wrote {destination} ({arguments.format or 'blockzoo'})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# blockzoo plot
+
+
+def _plot(arguments: argparse.Namespace) -> int:
+    from blockzoo.plot import plot_runs
+
+    print(f"wrote {plot_runs(arguments.runs, arguments.output, arguments.metric)}")
     return 0
 
 

@@ -1,8 +1,11 @@
-"""What the trainer reports: the log line of a step (throughput, MFU) and the memory each rank holds at the start."""
+"""What the trainer reports: what a run will do (parameters per kind of layer), the memory each rank holds at the
+start, the log line of a step (throughput, MFU) and its metrics file entry."""
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import attrs
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 from blockzoo.distributed.data_parallel import is_sharded
 from blockzoo.distributed.ops import all_gather_tensors
 from blockzoo.distributed.runtime import Distributed, local_tensor
+from blockzoo.plugins import get_registry
 
 # Dense bf16 peaks (TFLOP/s) of the GPUs whose MFU we report without being told.
 KNOWN_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -122,11 +126,12 @@ class Throughput:
 
 
 def step_line(record, train_iters: int, timer: Throughput) -> str:
-    """The log line of a step (`record`: a `StepRecord`)."""
+    """The log line of a step (`record`: a `StepRecord`). Named losses of the same kind (each MoE layer's
+    `load_balancing`, ...) are summed on the line, each kind once; the metrics file has every one."""
     parts = [
         f"step {record.step}/{train_iters}",
         f"loss {record.loss:.4f}",
-        *(f"{name} {value:.4g}" for name, value in record.losses.items()),
+        *(f"{kind} {value:.4g}" for kind, value in summed_losses(record.losses).items()),
         f"lr {record.learning_rate:.3g}",
         f"grad norm {record.gradient_norm:.3g}",
         f"{timer.tokens_per_second:,.0f} tokens/s",
@@ -134,9 +139,100 @@ def step_line(record, train_iters: int, timer: Throughput) -> str:
     ]
     if timer.mfu is not None:
         parts.append(f"MFU {timer.mfu:.1%}")
-    return f"{progress_bar(record.step, train_iters)} " + " | ".join(parts)
+    return " | ".join(parts)
 
 
-def progress_bar(step: int, total: int, width: int = 20) -> str:
-    filled = round(width * step / total)
-    return f"[{'#' * filled}{'.' * (width - filled)}]"
+def summed_losses(losses: dict[str, float]) -> dict[str, float]:
+    """Named losses summed per kind, the kind being the name's last part (`decoder.3.mlp.load_balancing`:
+    `load_balancing`); a kind of several layers is labelled with their count (`load_balancing (4 layers)`)."""
+    sums: dict[str, list[float]] = {}
+    for name, value in losses.items():
+        sums.setdefault(name.rpartition(".")[2], []).append(value)
+    return {
+        kind if len(values) == 1 else f"{kind} ({len(values)} layers)": sum(values) for kind, values in sums.items()
+    }
+
+
+def metrics_entry(record, tokens: int, seconds: float, timer: Throughput) -> dict[str, Any]:
+    """The metrics file's entry of a logged step (see `blockzoo.training.metrics`)."""
+    entry = {
+        "step": record.step,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "loss": record.loss,
+        "learning_rate": record.learning_rate,
+        "gradient_norm": record.gradient_norm,
+        "tokens_per_second": timer.tokens_per_second,
+        "tflops": timer.tflops,
+    }
+    if timer.mfu is not None:
+        entry["mfu"] = timer.mfu
+    return entry | record.losses
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a run says when it starts
+
+
+def tokens_line(run_config, data_size: int) -> str:
+    """Tokens of one optimizer step over all data-parallel ranks (sequence-data ranks share their data rank's)."""
+    data, accumulation = run_config.data, run_config.training.gradient_accumulation
+    total = data.sequence_length * data.micro_batch_size * accumulation * data_size
+    return (
+        f"tokens per step: {total:,} ({_many(data.micro_batch_size, 'sequence')} of {data.sequence_length} tokens × "
+        f"{_many(accumulation, 'micro-batch')} × {_many(data_size, 'data-parallel rank')})"
+    )
+
+
+def _many(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("h") else "s")
+
+
+def parameter_counts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameters per kind of layer: `mixer attention`, `mlp moe`, `normalization rms_norm`, ... (the registered
+    types of the model's parts; a part holding other registered parts counts them), `embeddings`, `head`; each as
+    (parameters, layers). Whole tensors (not this rank's tensor- or data-parallel shards); tied ones once."""
+    registry = get_registry(strict=False)
+    implementations = {
+        entry.implementation: entry
+        for entry in registry.entries()
+        if entry.implementation and entry.kind not in ("block", "block_sequence")  # containers: their parts count
+    }
+    layers: list[tuple[str, str]] = []  # (path prefix, kind label), outermost registered parts only
+    for path, module in model.named_modules():
+        if any(path.startswith(prefix) for prefix, _ in layers):
+            continue
+        for cls in type(module).__mro__:
+            if (entry := implementations.get(f"{cls.__module__}:{cls.__qualname__}")) is not None:
+                layers.append((path + ".", f"{entry.kind} {entry.name}"))
+                break
+    counts: dict[str, list] = {}
+    for name, parameter in model.named_parameters():
+        meta = getattr(parameter, "meta", None)
+        size = math.prod(meta.global_shape) if meta is not None else parameter.numel()
+        label = next((kind for prefix, kind in layers if name.startswith(prefix)), None)
+        prefix = next((prefix for prefix, kind in layers if name.startswith(prefix)), None)
+        label = label or name.split(".")[0].replace("_orig_mod", "")
+        count = counts.setdefault(label, [0, set()])
+        count[0] += size
+        count[1].add(prefix or label)
+    return {label: (size, len(paths)) for label, (size, paths) in counts.items()}
+
+
+def parameters_line(model: nn.Module, *, pipeline_stages: int) -> str:
+    """`parameters: 1.2M — mixer attention 801K in 4 layers, ...`."""
+    counts = parameter_counts(model)
+    total = sum(size for size, _ in counts.values())
+    parts = [
+        f"{label} {_count(size)}" + (f" in {layers} layers" if layers > 1 else "")
+        for label, (size, layers) in counts.items()
+    ]
+    where = " (this rank's pipeline stages)" if pipeline_stages > 1 else ""
+    return f"parameters{where}: {_count(total)} — " + ", ".join(parts)
+
+
+def _count(number: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if number >= size:
+            return f"{number / size:.3g}{unit}"
+    return str(number)
