@@ -4,7 +4,9 @@ loss and gradient norm of every step and the trained adapters (global tensors), 
 Adapters on every kind of linear: column-parallel (query, gate‖up's up part: B split on its output rows),
 row-parallel (dense, down: A split on its input columns), the value part of key‖value (column-parallel under TP 2,
 GQA's groups split), and MQA's key‖value replicated inside the tensor region. Dropout 0: a rank's dropout mask is
-its own, so only a run without dropout can equal the single process. One gloo spawn of 2 ranks runs every layout.
+its own, so only a run without dropout can equal the single process. Pipeline parallelism (two stages, two
+micro-batches a step) too: each stage's adapters against the single process's. One gloo spawn of 2 ranks runs every
+layout.
 """
 
 from pathlib import Path
@@ -40,6 +42,7 @@ LAYOUTS = {
     "stp2-mqa": ("mqa", {"tensor_parallel": 2, "sequence_tensor_parallel": True}),
     "dp2": ("gqa", {}),
     "dp2-zero3": ("gqa", {"zero_stage": 3}),
+    "pp2": ("gqa", {"pipeline_parallel": 2}),
 }
 DATA = {
     "type": "random",
@@ -74,6 +77,14 @@ def _global_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     }
 
 
+def _micro_batches(settings: dict) -> tuple[int, int]:
+    """(micro-batches per rank and step, those of the single-process reference): a data-parallel layout's reference
+    accumulates both ranks' micro-batches; a pipeline needs a micro-batch per stage."""
+    if settings.get("pipeline_parallel", 1) > 1:
+        return 2, 2
+    return 1, 2 // settings.get("tensor_parallel", 1)
+
+
 def _reference(model: str, data_size: int, output_dir: Path) -> dict:
     trainer = Trainer(_run_config(model, output_dir, data_size), distributed=single_process(), log=lambda _: None)
     initial = {name: parameter.detach().clone() for name, parameter in trainer.model.named_parameters()}
@@ -85,7 +96,7 @@ def _reference(model: str, data_size: int, output_dir: Path) -> dict:
 def _check_layouts(references: dict, root: str) -> None:
     with Distributed(DistributedConfig(seed=SEED, backend="gloo", timeout=60)):
         for label, (model, settings) in LAYOUTS.items():
-            run_config = _run_config(model, Path(root) / label, **settings)
+            run_config = _run_config(model, Path(root) / label, _micro_batches(settings)[0], **settings)
             trainer = Trainer(run_config, distributed=Distributed(run_config.distributed), log=lambda _: None)
             trainer.run()
             reference = references[label]
@@ -93,7 +104,11 @@ def _check_layouts(references: dict, root: str) -> None:
                 torch.testing.assert_close(record.loss, loss, **LOSS_TOLERANCE, msg=f"{label} {record.step}: loss")
                 torch.testing.assert_close(record.gradient_norm, norm, **LOSS_TOLERANCE, msg=f"{label}: grad norm")
             weights = _global_weights(trainer)
-            assert weights.keys() == reference["weights"].keys()
+            if settings.get("pipeline_parallel", 1) > 1:  # this rank's stage
+                assert weights and weights.keys() < reference["weights"].keys()
+                assert any(".adapter." in name for name in weights)
+            else:
+                assert weights.keys() == reference["weights"].keys()
             for name, weight in weights.items():
                 expected = reference["weights"][name]
                 torch.testing.assert_close(weight, expected, **WEIGHT_TOLERANCE, msg=f"{label}: {name}")
@@ -106,7 +121,7 @@ def _check_layouts(references: dict, root: str) -> None:
 def test_lora_training_in_parallel_matches_single_process(tmp_path):
     runs, references = {}, {}
     for label, (model, settings) in LAYOUTS.items():
-        key = (model, 2 // settings.get("tensor_parallel", 1))  # a data-parallel layout's reference accumulates 2
+        key = (model, _micro_batches(settings)[1])
         if key not in runs:
             runs[key] = _reference(*key, tmp_path / f"reference-{key[0]}-{key[1]}")
         references[label] = runs[key]
