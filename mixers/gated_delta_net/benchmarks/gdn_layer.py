@@ -1,0 +1,114 @@
+"""Gated DeltaNet mixer forward+backward: ours against flash-linear-attention's own `fla.layers.GatedDeltaNet` layer
+at the same shape, in one run, bf16. Prints times, peak memories and the ratio; asserts equal parameter counts.
+Run on a GPU with flash-linear-attention installed (`pip install -e "mixers/gated_delta_net[kernels]"`):
+
+    python mixers/gated_delta_net/benchmarks/gdn_layer.py [--sequences 4 --length 4096 --hidden 2048 --heads 16 ...]
+
+Both run the same delta-rule kernel (fla's `chunk_gated_delta_rule`); what differs is around it: our one fused
+in_proj and blockzoo's Triton convolution against fla's five projections, its gate projection and its
+ShortConvolutions. Both get fp32 parameters and bf16 activations: ours casts its weights (blockzoo's mixed
+precision), fla's runs under autocast. Ours runs packed documents (`--sequences` documents of `--length` tokens, the
+state reset at each boundary); fla's gets them as a [sequences, length] batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from blockzoo.config import structure
+from blockzoo.distributed.config import DistributedConfig
+from blockzoo.distributed.runtime import Distributed
+from blockzoo.layers.base import Batch
+from blockzoo.layers.config import MixerConfig
+from blockzoo.layers.dims import TensorDim
+from blockzoo_gated_delta_net.delta_rule import uses_fla_kernel
+from blockzoo_gated_delta_net.gated_delta_net import GatedDeltaNet
+
+
+def measure(step, steps: int, warmup: int) -> tuple[float, int]:
+    """(seconds per call of `step`, peak bytes allocated during the timed calls)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    arguments = parser.parse_args()
+    heads, size = arguments.heads, arguments.head_size
+
+    config = structure(
+        {
+            "type": "gated_delta_net",
+            "key_heads": heads,
+            "value_heads": heads,
+            "key_head_size": size,
+            "value_head_size": size,
+            "normalization": {"epsilon": 1e-5},  # fla's norm_eps
+        },
+        MixerConfig,
+    )
+    distributed = Distributed(
+        DistributedConfig(seed=1, backend="nccl", compute_dtype="bf16"), world_size=1, rank=0, local_rank=0
+    )
+    ours = GatedDeltaNet(
+        config, name="mixer", hidden_dim=TensorDim("hidden", arguments.hidden), distributed=distributed, lr_scale=1.0
+    )
+    lengths = [arguments.length] * arguments.sequences
+    tokens = sum(lengths)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, arguments.hidden, device="cuda", generator=generator).bfloat16()
+    output_grad = torch.randn_like(hidden)
+    assert uses_fla_kernel(hidden), "flash-linear-attention is not importable: ours would take the torch path"
+    forward_flops, backward_flops = ours.flops(Batch(lengths))
+
+    def ours_step() -> None:
+        inputs = hidden.detach().requires_grad_()
+        ours(inputs, Batch(lengths, device="cuda")).backward(output_grad)
+
+    from fla.layers import GatedDeltaNet as ReferenceGatedDeltaNet
+
+    theirs = ReferenceGatedDeltaNet(
+        hidden_size=arguments.hidden, expand_v=1, head_dim=size, num_heads=heads, mode="chunk", norm_eps=1e-5
+    ).cuda()
+    counts = {name: sum(p.numel() for p in layer.parameters()) for name, layer in (("ours", ours), ("fla", theirs))}
+    assert counts["ours"] == counts["fla"], f"parameter counts differ: {counts}"
+    batched = hidden.view(arguments.sequences, arguments.length, arguments.hidden)
+
+    def theirs_step() -> None:
+        inputs = batched.detach().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            output = theirs(inputs)[0]
+        output.backward(output_grad.view_as(output))
+
+    results = {
+        "ours (blockzoo gated_delta_net)": measure(ours_step, arguments.steps, arguments.warmup),
+        "fla.layers.GatedDeltaNet": measure(theirs_step, arguments.steps, arguments.warmup),
+    }
+    shape = ", ".join(f"{key} {value}" for key, value in vars(arguments).items() if key not in ("steps", "warmup"))
+    print(f"Gated DeltaNet forward+backward, bf16, {shape}; {tokens} tokens, {counts['ours']} parameters each")
+    for name, (seconds, peak) in results.items():
+        tflops = (forward_flops + backward_flops) / seconds / 1e12
+        print(f"  {name:34s} {seconds * 1e3:8.2f} ms  {tflops:6.1f} TFLOP/s  peak {peak / 2**30:6.2f} GiB")
+    ratio = results["fla.layers.GatedDeltaNet"][0] / results["ours (blockzoo gated_delta_net)"][0]
+    print(f"  ratio (fla time / ours): {ratio:.2f}  (> 1: ours is faster)")
+
+
+if __name__ == "__main__":
+    main()
