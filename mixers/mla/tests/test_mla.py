@@ -9,6 +9,8 @@ from mla_reference import RANDOM_BIAS, RANDOM_NORM, SMALL, build, mla_config, re
 from blockzoo.api import Batch
 from blockzoo.config import ConfigError
 from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs
+from blockzoo_attention.kernels import TorchKernel
+from blockzoo_mla import mla as mla_module
 
 LENGTHS = [5, 1, 7]
 CASES = {
@@ -89,9 +91,30 @@ def test_absorbed_decoding_equals_the_expanded_one(case):
     assert calls == {"absorbed": [], "expanded": [14]}
 
 
+class _OneHeadSizeKernel(TorchKernel):
+    """The torch kernel under flash varlen's name, refusing what flash refuses: heads of different sizes."""
+
+    name = "varlen"
+
+    def attend(self, query, key, value, prepared, scale):
+        assert query.shape[-1] == key.shape[-1] == value.shape[-1], (query.shape, key.shape, value.shape)
+        return super().attend(query, key, value, prepared, scale)
+
+
+@pytest.mark.parametrize("case", ["plain-query", "value-wider-than-query-key"])
+def test_kernels_of_one_head_size_get_padded_heads(case, monkeypatch):
+    # Values narrower (padded values) and wider (padded queries and keys) than the query/key heads.
+    monkeypatch.setattr(mla_module, "select_kernel", lambda implementation, query: _OneHeadSizeKernel())
+    layer, reference = build({**CASES[case], "implementation": "varlen"}), build(CASES[case])
+    hidden, _ = layer_inputs(sum(LENGTHS))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(hidden, Batch(LENGTHS)), reference(hidden, Batch(LENGTHS)))
+
+
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 def test_flex_kernel_pads_the_value_heads():
-    # FlexAttention (forward on the CPU) takes one head size: the value heads are padded to the query/key size.
+    """FlexAttention itself (its fast sibling: test_kernels_of_one_head_size_get_padded_heads)."""
     for case in ("plain-query", "value-wider-than-query-key"):
         layer, reference = build({**CASES[case], "implementation": "flex"}), build(CASES[case])
         hidden, _ = layer_inputs(sum(LENGTHS))

@@ -1,8 +1,9 @@
 """blockzoo's conformance kit (`blockzoo.testing`) on the MLA mixer: discovery, config, shapes, meta-device
 construction, packed documents, every field, gradients, tensor and sequence-tensor parallel (with tensor-parallel
-decoding), decoding, checkpoints, FLOPs."""
+decoding), decoding, checkpoints, FLOPs; and its deepseek_v3 converter section (config and weights both ways,
+everything claimed)."""
 
-from blockzoo.testing import MixerConformance
+from blockzoo.testing import ConverterSectionConformance, MixerConformance
 
 
 class TestMLAConformance(MixerConformance):
@@ -29,4 +30,27 @@ class TestMLAConformance(MixerConformance):
             "query_norm": norm,
             "key_value_norm": norm,
             "rotary": {"type": "default", "theta": 100.0},
+        }
+
+
+class TestMLADeepseekV3SectionConformance(ConverterSectionConformance):
+    kind, format_name = "mixer", "deepseek_v3"
+
+    def config_factory(self):
+        return {
+            "type": "mla",
+            "heads": 4,
+            "query_rank": 12,
+            "key_value_rank": 8,
+            "nope_head_size": 6,
+            "rotary_head_size": 4,
+            "value_head_size": 5,
+            "add_linear_biases": True,
+            "query": {"bias": {"enabled": False}},
+            "query_up": {"bias": {"enabled": False}},
+            "key_value_up": {"bias": {"enabled": False}},
+            "query_norm": {"epsilon": 1.0e-6},
+            "key_value_norm": {"epsilon": 1.0e-6},
+            "interleaved_rotary": True,
+            "rotary": {"type": "default", "theta": 500.0},
         }
