@@ -149,4 +149,7 @@ def reference_forward(layer: Attention, hidden: torch.Tensor, lengths: list[int]
             logits = torch.stack([query[token, head] @ key[other, group] for other in visible])
             probabilities = torch.softmax(logits * config.resolved_softmax_scale, dim=0)
             output[token, head] = sum(p * value[other, group] for p, other in zip(probabilities, visible))
-    return affine(layer.dense, output.view(len(x), heads * size))
+    output = output.view(len(x), heads * size)
+    if layer.output_gate is not None:  # Qwen3-Next's gated attention
+        output = output * torch.sigmoid(affine(layer.output_gate, x))
+    return affine(layer.dense, output)

@@ -45,6 +45,11 @@ CASES = {
         "rotary": {"type": "none"},
     },
     "non-causal-gqa": {**SMALL, "head_groups": 2, "causal": False, "rotary": {"theta": 50.0}},
+    "gqa-output-gate-with-bias": {
+        **SMALL,
+        "head_groups": 2,
+        "output_gate": {"bias": {"enabled": True, "initialization": {"type": "normal", "std": 0.5}}},
+    },
 }
 
 
@@ -76,7 +81,9 @@ def test_packed_documents_equal_separate_runs(case, chunk_tokens, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("case", ["gqa-window-llama3", "qkv-biases-without-dense-bias-norms-nope"])
+@pytest.mark.parametrize(
+    "case", ["gqa-window-llama3", "qkv-biases-without-dense-bias-norms-nope", "gqa-output-gate-with-bias"]
+)
 def test_kv_cache_decoding_equals_the_full_forward(case):
     # Prefill prompts of different lengths, a chunk of several tokens, then one token at a time.
     steps = [[3, 2], [2, 1], [1, 1], [1, 1], [1, 1]]
@@ -117,6 +124,7 @@ FIELD_CHANGES = {
     "softmax_scale": {"softmax_scale": 0.5},
     "query_norm": {"query_norm": {"type": "rms_norm"}},
     "key_norm": {"key_norm": {"type": "rms_norm"}},
+    "output_gate": {"output_gate": {}},
     "lr_scale": {"lr_scale": 0.0},
 }
 

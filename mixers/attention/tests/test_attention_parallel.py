@@ -31,6 +31,7 @@ CASES = {
             "head_size": 8,
             **BIASES,
             "dense": RANDOM_BIAS,
+            "output_gate": RANDOM_BIAS,  # split like the query heads (here the heads of the one group)
             "window_size": 3,
             "key_norm": RANDOM_NORM,
             "rotary": {"type": "llama3", "theta": 100.0, "original_context_length": 64},

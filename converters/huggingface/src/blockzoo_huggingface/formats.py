@@ -14,6 +14,7 @@ from blockzoo_huggingface.formats_deepseek import DEEPSEEK_FORMATS
 from blockzoo_huggingface.formats_granite import GRANITE_FORMATS
 from blockzoo_huggingface.formats_mamba import MAMBA_FORMATS
 from blockzoo_huggingface.formats_mamba2 import MAMBA2_FORMATS
+from blockzoo_huggingface.formats_qwen3_next import QWEN3_NEXT_FORMATS
 from blockzoo_huggingface.layouts import SlidingWindowLayers, SparseMoELayers, Uniform
 from blockzoo_huggingface.sections import transformer_model
 
@@ -82,4 +83,11 @@ TRANSFORMER_FORMATS = (
     ),
 )
 
-FORMATS = (*TRANSFORMER_FORMATS, *MAMBA_FORMATS, *MAMBA2_FORMATS, *GRANITE_FORMATS, *DEEPSEEK_FORMATS)
+FORMATS = (
+    *TRANSFORMER_FORMATS,
+    *MAMBA_FORMATS,
+    *MAMBA2_FORMATS,
+    *QWEN3_NEXT_FORMATS,
+    *GRANITE_FORMATS,
+    *DEEPSEEK_FORMATS,
+)

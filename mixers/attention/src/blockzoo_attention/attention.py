@@ -204,6 +204,12 @@ class Attention(Mixer):
             **linear,
         )
         self.dense = Linear(f"{name}.dense", config.dense, heads_dim, hidden_dim, **linear)
+        # Split like the query heads: each rank gates its own heads' outputs.
+        self.output_gate = (
+            None
+            if config.output_gate is None
+            else Linear(f"{name}.output_gate", config.output_gate, hidden_dim, heads_dim, **linear)
+        )
         self.query_norm = self._head_norm(config.query_norm, "query_norm", lr_scale)
         self.key_norm = self._head_norm(config.key_norm, "key_norm", lr_scale)
 
@@ -240,11 +246,18 @@ class Attention(Mixer):
             query, key = apply_rotary(query, tables), apply_rotary(key, tables)
         return query, key, value
 
+    def _output(self, output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """dense of the heads' outputs `[tokens, heads, head_size]`, gated first when there is an output gate."""
+        output = output.flatten(1)
+        if self.output_gate is not None:
+            output = output * torch.sigmoid(self.output_gate(hidden))
+        return self.dense(output)
+
     def forward(self, hidden: torch.Tensor, batch: Batch, state: KeyValueCache | None = None) -> torch.Tensor:
         query, key, value = self._project(hidden, batch)
         if state is not None and batch.max_length == 1:
             window, scale = self.config.window_size, self.config.resolved_softmax_scale
-            return self.dense(state.decode(query, key, value, batch, window, scale).flatten(1))
+            return self._output(state.decode(query, key, value, batch, window, scale), hidden)
         queries = Segments.of(batch)
         if state is None:
             keys = queries
@@ -261,7 +274,7 @@ class Attention(Mixer):
             lambda: kernel.prepare(queries, keys, causal, window),
         )
         output = kernel.attend(query, key, value, prepared, self.config.resolved_softmax_scale)
-        return self.dense(output.flatten(1))
+        return self._output(output, hidden)
 
     def forward_slice(
         self, hidden: torch.Tensor, batch: Batch, previous: AttentionCarry | None
@@ -306,7 +319,7 @@ class Attention(Mixer):
         carry = AttentionCarry(keys, values)
         if window is not None:
             carry = AttentionCarry(_last_rows(keys, window - 1), _last_rows(values, window - 1))
-        return self.dense(output.flatten(1)), carry
+        return self._output(output, hidden), carry
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> KeyValueCache:
         if not self.config.causal:
@@ -319,7 +332,7 @@ class Attention(Mixer):
         )
 
     def flops(self, batch: Batch) -> tuple[int, int]:
-        linears = (self.query, self.key_value, self.dense)
+        linears = (self.query, self.key_value, self.dense, *([] if self.output_gate is None else [self.output_gate]))
         forward = sum(linear.forward_flops(batch.num_tokens) for linear in linears)
         backward = sum(linear.backward_flops(batch.num_tokens) for linear in linears)
         # Two matmuls (q·k, p·v) of 2·head_size operations per head and attended (query, key) pair; backward twice.

@@ -171,6 +171,12 @@ class AttentionConfig(MixerConfig):
     )
     query_norm: NormalizationConfig | None = field(None, doc="Normalizes each query head (before rotary).")
     key_norm: NormalizationConfig | None = field(None, doc="Normalizes each key head (before rotary).")
+    output_gate: LinearConfig | None = field(
+        None,
+        doc="An output gate: attention's output times sigmoid(gate(hidden)), per channel of each head, before `dense` "
+        "(Qwen3-Next's gated attention). `{}` enables it with default settings; its bias defaults to "
+        "`add_linear_biases`. None: no gate.",
+    )
     implementation: Literal["auto", "torch", "varlen", "batched", "flex"] = field(
         "auto",
         doc="Attention kernel. torch: SDPA with a block-diagonal mask (the CPU reference); varlen: torch's "

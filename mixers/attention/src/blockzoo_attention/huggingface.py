@@ -279,6 +279,27 @@ def _key_value(config: AttentionConfig, suffix: str) -> WeightMapping:
     )
 
 
+def _gated_query(config: AttentionConfig, suffix: str) -> WeightMapping:
+    """Qwen3-Next's gated attention: `q_proj` holds, head by head, the head's query rows then its gate rows."""
+    size, order = config.head_size, _rotary_order(config)
+
+    def import_(tensors: list[Any]) -> list[Any]:
+        heads = tensors[0].unflatten(0, (-1, 2 * size))
+        query, gate = heads[:, :size].flatten(0, 1), heads[:, size:].flatten(0, 1)
+        return [query if order is None else _reorder_heads(order, size)(query), gate]
+
+    def export(tensors: list[Any]) -> list[Any]:
+        import torch
+
+        query, gate = tensors
+        query = query if order is None else _reorder_heads(_inverse(order), size)(query)
+        return [torch.cat([query.unflatten(0, (-1, size)), gate.unflatten(0, (-1, size))], dim=1).flatten(0, 1)]
+
+    return ComputedWeights(
+        (f"query.{suffix}", f"output_gate.{suffix}"), (f"q_proj.{suffix}",), import_=import_, export=export
+    )
+
+
 def _inverse(order: list[int]) -> list[int]:
     inverse = [0] * len(order)
     for position, channel in enumerate(order):
@@ -286,23 +307,59 @@ def _inverse(order: list[int]) -> list[int]:
     return inverse
 
 
-def _weights(config: AttentionConfig) -> list[WeightMapping | Nested]:
+def _head_norm(config: AttentionConfig, role: str, theirs: str, offset: float | None) -> WeightMapping | Nested:
+    """A head norm under `theirs`: by the format's norm section (Nested); or here, when a partial rotary reorders
+    the head's channels (the norm's weight is reordered alike) or the format scales by (offset + w) (Qwen3-Next's
+    (1 + w): blockzoo's weight is offset + w, computed in fp32)."""
+    order = _rotary_order(config)
+    if order is None and offset is None:
+        return Nested(role, getattr(config, role), theirs)
+    to_ours = (lambda tensor: tensor) if order is None else (lambda tensor: tensor[order])
+    to_theirs = (lambda tensor: tensor) if order is None else (lambda tensor: tensor[_inverse(order)])
+    shift = offset or 0.0
+    return ComputedWeights(
+        (f"{role}.weight",),
+        (f"{theirs}.weight",),
+        import_=lambda tensors: [to_ours(tensors[0].float().add(shift).to(tensors[0].dtype))],
+        export=lambda tensors: [to_theirs(tensors[0]).float().sub(shift).to(tensors[0].dtype)],
+    )
+
+
+def _weights(config: AttentionConfig, norm_offset: float | None = None) -> list[WeightMapping | Nested]:
+    query = _query if config.output_gate is None else _gated_query
     mappings: list[WeightMapping | Nested] = [
-        _query(config, "weight"),
+        query(config, "weight"),
         _key_value(config, "weight"),
         Weight("dense.weight", "o_proj.weight"),
     ]
     if config.has_bias(config.query):
-        mappings.append(_query(config, "bias"))
+        mappings.append(query(config, "bias"))
     if config.has_bias(config.key):
         mappings.append(_key_value(config, "bias"))
     if config.has_bias(config.dense):
         mappings.append(Weight("dense.bias", "o_proj.bias"))
     if config.query_norm is not None:
-        mappings.append(Nested("query_norm", config.query_norm, "q_norm"))
+        mappings.append(_head_norm(config, "query_norm", "q_norm", norm_offset))
     if config.key_norm is not None:
-        mappings.append(Nested("key_norm", config.key_norm, "k_norm"))
+        mappings.append(_head_norm(config, "key_norm", "k_norm", norm_offset))
     return mappings
+
+
+# Formats without an output gate (all but Qwen3-Next's).
+NO_OUTPUT_GATE = Constant("output_gate", None)
+
+
+def _export_output_gate(config: AttentionConfig) -> dict[str, Any]:
+    if config.output_gate is None or config.has_bias(config.output_gate) != config.has_bias(config.query):
+        raise ConversionError(
+            "`output_gate` must be set, with a bias exactly when the query has one: Qwen3-Next's attention gates its "
+            "output with rows of q_proj"
+        )
+    return {}
+
+
+# Qwen3-Next: q_proj computes each head's query and output gate.
+OUTPUT_GATE = Computed(("output_gate",), (), import_=lambda data: {"output_gate": {}}, export=_export_output_gate)
 
 
 def attention_section(
@@ -312,6 +369,8 @@ def attention_section(
     head_norms: bool = False,
     rotary: ConfigMapping = ROTARY,
     name: str = "self_attn",
+    output_gate: ConfigMapping = NO_OUTPUT_GATE,
+    norm_offset: float | None = None,
     softmax_scale: ConfigMapping | None = None,
     head_size: ConfigMapping | None = None,
     extra: tuple[ConfigMapping, ...] = (),
@@ -345,10 +404,11 @@ def attention_section(
             *(norm for norm in norms if isinstance(norm, ConfigMapping)),
             Fixed("attention_dropout", 0.0),
             Ignored(ours=("implementation",), reason="the kernel is chosen for the device, not stored"),
+            output_gate,
             *extra,
         ),
         parts=tuple(norm for norm in norms if isinstance(norm, Part)),
-        weights=_weights,
+        weights=lambda config: _weights(config, norm_offset),
     )
 
 
@@ -401,6 +461,18 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
         attention_section(biases=all_biases("attention_bias"), window=sliding_window(default=None), head_norms=True),
     )
     register("qwen3_moe", attention_section(biases=all_biases("attention_bias"), window=QWEN3_WINDOW, head_norms=True))
+    # Qwen3-Next: gated attention, RoPE on a quarter of each head by default, (1 + w) head norms (the format's norms).
+    register(
+        "qwen3_next",
+        attention_section(
+            biases=all_biases("attention_bias"),
+            window=Constant("window_size", None),
+            head_norms=True,
+            rotary=partial_rotary(0.25),
+            output_gate=OUTPUT_GATE,
+            norm_offset=1.0,
+        ),
+    )
     register(
         "granitemoehybrid",
         attention_section(
