@@ -381,18 +381,25 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path)
     assert all(torch.isfinite(parameter).all() for parameter in loaded.parameters())
 
 
-def test_a_non_finite_gradient_stops_the_run_before_the_update(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_non_finite_gradient_stops_the_run_before_the_update(tmp_path, device):
+    """On the CPU the host checks before the update; on CUDA the fused optimizer skips itself on the device."""
+
     def poison_gradients_after_the_checkpoint(message: str) -> None:
         if message.startswith("saved checkpoint"):
             trainer.model.head.output_weight.register_hook(lambda gradient: gradient * float("inf"))
 
-    config = configure(tmp_path, "training.train_iters=5", "training.checkpoint_interval=1")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine)")
+    backend = ["distributed.backend=nccl"] if device == "cuda" else []
+    config = configure(tmp_path, "training.train_iters=5", "training.checkpoint_interval=1", *backend)
     trainer = Trainer(config, log=poison_gradients_after_the_checkpoint)
+    assert trainer.optimizer.skips_non_finite_on_device == (device == "cuda")
     with pytest.raises(TrainingError, match=r"^the gradient norm is (nan|inf) at step 2; stopping, the last check"):
         trainer.run()
     assert all(torch.isfinite(parameter).all() for parameter in trainer.model.parameters())
     saved = load_file(tmp_path / "step_1" / "model.safetensors")
-    assert all(torch.equal(saved[name], value) for name, value in weights(trainer.model).items())
+    assert all(torch.equal(saved[name], value.cpu()) for name, value in weights(trainer.model).items())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class AdamW(torch.optim.AdamW):
             eps=config.epsilon,
             **({"fused": True} if fused else {"foreach": True}),
         )
+        # The fused kernels skip the whole update when given a non-finite flag (as under a gradient scaler), so a
+        # step's check of its figures can wait until the update is queued. Not with per-row settings (their
+        # correction applies after the kernel) nor DTensors (the flag is a plain tensor).
+        self.skips_non_finite_on_device = fused and not self.per_row and not any(key[2] for key in groups)
         # The per-row settings of the rows each rank holds (its FSDP shard's), on its device once for all steps.
         self._rows = [
             (
@@ -82,6 +86,12 @@ class AdamW(torch.optim.AdamW):
                 local = local_tensor(parameter.detach())
                 total += 2 * local.numel() * local.element_size() + 4
         return total
+
+    def skip_unless_finite(self, *figures: torch.Tensor) -> None:
+        """Make the next `step` skip the update, on the device, unless every figure is finite
+        (`skips_non_finite_on_device` only)."""
+        finite = torch.stack([torch.isfinite(figure.detach().float()).all() for figure in figures]).all()
+        self.found_inf = (~finite).float()
 
     @torch.no_grad()
     def step(self, closure=None):

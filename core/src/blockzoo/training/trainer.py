@@ -361,12 +361,19 @@ class Trainer:
         cross_entropy, named = self.forward_backward(micro_batches)
         self.distributed.reduce_replicated_gradients(unique_trainable(self.model.parameters()))
         norm = self._clip_gradients()
+        # The weights must stay finite: the update waits for the check of the loss and norm, on the device where the
+        # optimizer can skip itself (then the step's one wait comes after all its work is queued), else on the host.
+        on_device = getattr(self.optimizer, "skips_non_finite_on_device", False)
+        if on_device:
+            self.optimizer.skip_unless_finite(cross_entropy, norm)
+            self.optimizer.step()
         if prefetch is not None:
             prefetch()
         loss, norm, *named_values = to_host([cross_entropy, norm, *named.values()])
         self._check_finite("loss", loss)
-        self._check_finite("gradient norm", norm)  # before the update, so the weights stay finite
-        self.optimizer.step()
+        self._check_finite("gradient norm", norm)
+        if not on_device:
+            self.optimizer.step()
         if self.debug is not None:
             debug.after_step(self.model, self.distributed, self.step + 1)
         losses = dict(zip(named, named_values))
