@@ -39,8 +39,8 @@ for requested in "$@"; do
 done
 
 # -- 1. install ---------------------------------------------------------------------------------------------------------
-DISTRIBUTIONS=(core mixers/attention mixers/mamba mixers/mamba_2 mixers/discrete_mamba_2 mlps/mlp mlps/moe
-  converters/huggingface)
+DISTRIBUTIONS=(core mixers/attention mixers/mamba mixers/mamba_2 mixers/discrete_mamba_2 mixers/gated_delta_net
+  mixers/mla mlps/mlp mlps/moe converters/huggingface)
 stamp=$(cat .whl/*.whl "${DISTRIBUTIONS[@]/%//pyproject.toml}" 2>/dev/null | sha256sum | cut -c1-16)
 if [[ -f /tmp/site/.installed && $(cat /tmp/site/.installed) == "$stamp" ]]; then
   echo "# already installed here ($stamp)"
