@@ -76,13 +76,14 @@ def reference_mlp(model: DenseMLP, hidden: torch.Tensor) -> tuple[torch.Tensor, 
         projected = weight @ token + (0 if bias is None else bias)
         if config.gated:  # Gate rows first, then up rows: the documented layout of the fused weight.
             gate, up = projected[:INTERMEDIATE], projected[INTERMEDIATE:]
-            intermediate = reference_activation(config.activation, gate) * up
+            # Falcon-H1's MLP: up · act(gate · gate_multiplier), then down · down_multiplier.
+            intermediate = reference_activation(config.activation, gate * config.gate_multiplier) * up
         else:
             intermediate = reference_activation(config.activation, projected)
         output = leaves["down.weight"] @ intermediate
         if "down.bias" in leaves:
             output = output + leaves["down.bias"]
-        outputs.append(output)
+        outputs.append(output * config.down_multiplier)
     return torch.stack(outputs), leaves
 
 
@@ -118,6 +119,17 @@ def test_matches_a_per_token_loop(activation, gated, biases):
         torch.testing.assert_close(parameter.grad.double(), leaves[name].grad, **tolerance, msg=name)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_multipliers_match_the_per_token_loop(gated):
+    multipliers = {"gate_multiplier": 2.5} if gated else {}
+    model = build(make_config(gated=gated, down_multiplier=0.3, up=RANDOM_BIAS, **multipliers))
+    hidden, _ = inputs()
+    reference, _ = reference_mlp(model, hidden)
+    torch.testing.assert_close(model(hidden, Batch(LENGTHS)).double(), reference.detach(), atol=1e-5, rtol=1e-5)
+    plain = build(make_config(gated=gated, up=RANDOM_BIAS))
+    assert not torch.allclose(plain(hidden, Batch(LENGTHS)), model(hidden, Batch(LENGTHS)))
+
+
 def test_gated_default_is_swiglu_and_ungated_default_is_gelu():
     assert make_config(gated=True).activation == "silu"
     assert make_config().activation == "gelu"
@@ -149,6 +161,8 @@ FIELD_CHANGES = {
     "up": {"up": UNIFORM},
     "down": {"down": UNIFORM},
     "add_linear_biases": {"add_linear_biases": True},
+    "gate_multiplier": {"gate_multiplier": 3.0},
+    "down_multiplier": {"down_multiplier": 0.5},
     "lr_scale": {"lr_scale": 0.5},
 }
 
@@ -211,6 +225,7 @@ def test_flops_match_a_hand_count():
         ({"intermediate_size": 0}, "intermediate_size", "must be >= 1"),
         ({"activation": "tanh"}, "activation", "expected one of 'silu', 'gelu', 'relu', 'squared_relu', 'identity'"),
         ({"gate": {"lr_scale": 0.5}}, "gate", "only a gated MLP has a gate projection"),
+        ({"gate_multiplier": 2.0}, "gate_multiplier", "only a gated MLP has a gate projection"),
         (
             {"gated": True, "add_linear_biases": True, "gate": {"bias": {"enabled": False}}},
             "up.bias.enabled",

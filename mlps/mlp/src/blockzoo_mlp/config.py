@@ -46,6 +46,11 @@ class DenseMLPConfig(MLPConfig):
     up: LinearConfig = field(factory=LinearConfig, doc="The up projection (multiplied by the activated gate if gated).")
     down: LinearConfig = field(factory=LinearConfig, doc="The down projection, back to the hidden size.")
     add_linear_biases: bool = field(False, doc="Default of every projection's `bias.enabled`.")
+    gate_multiplier: float = field(
+        1.0,
+        doc="Scales the gate projection's output, the activation's input (Falcon-H1's gate multiplier); gated only.",
+    )
+    down_multiplier: float = field(1.0, doc="Scales the down projection's output (Falcon-H1's down multiplier).")
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
@@ -55,6 +60,11 @@ class DenseMLPConfig(MLPConfig):
             self.gated or self.gate == LinearConfig(),
             "gate",
             "only a gated MLP has a gate projection; set `gated: true` or remove `gate`",
+        )
+        check(
+            self.gated or self.gate_multiplier == 1,
+            "gate_multiplier",
+            "only a gated MLP has a gate projection; set `gated: true` or remove `gate_multiplier`",
         )
         if self.gated:
             check(

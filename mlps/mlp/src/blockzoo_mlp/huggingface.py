@@ -72,6 +72,8 @@ def mlp_section(
         config=(
             Rename("intermediate_size", "intermediate_size"),
             Constant("gated", gated),
+            Constant("gate_multiplier", 1.0),
+            Constant("down_multiplier", 1.0),
             transformers_activation(activation),
             biases(bias),
         ),

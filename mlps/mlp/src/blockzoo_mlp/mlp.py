@@ -79,10 +79,13 @@ class DenseMLP(MLP):
         projected = self.input_projection(hidden)
         if self.config.gated:
             gate, up = projected.split(self.intermediate_dim.local_size(self._tensor_size), dim=-1)
+            if self.config.gate_multiplier != 1:
+                gate = gate * self.config.gate_multiplier
             intermediate = self._activation(gate) * up
         else:
             intermediate = self._activation(projected)
-        return self.down(intermediate)
+        output = self.down(intermediate)
+        return output if self.config.down_multiplier == 1 else output * self.config.down_multiplier
 
     def flops(self, batch: Batch) -> tuple[int, int]:
         """Matrix products only: the activation and gating are a few operations per element, negligible beside them."""
