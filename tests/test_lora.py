@@ -24,6 +24,7 @@ from blockzoo.checkpoint import CheckpointError, latest_checkpoint, record_check
 from blockzoo.cli import main
 from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch
+from blockzoo.model.factory import base_reference, check_base
 from blockzoo.peft.apply import adapters, merge_adapters, unmerge_adapters
 from blockzoo.peft.config import LoraConfig
 from blockzoo.run_config import RunConfig
@@ -379,3 +380,16 @@ def test_a_changed_base_is_refused_by_resume_load_and_the_cli(tmp_path, base_che
     assert main(["convert", str(last), str(tmp_path / "merged"), "--merged"]) == 2
     error = capsys.readouterr().err
     assert re.search(expected, error) and "Traceback" not in error
+
+
+def test_a_base_config_field_added_since_the_save_at_its_default_is_no_difference(base_checkpoint):
+    """The base's model config is compared structured: a field the record lacks (as a newer blockzoo's would be)
+    passes at its default; one whose default is not the base's value is a difference."""
+    reference = base_reference(base_checkpoint)
+    check_base("the checkpoint", reference)
+    older = copy.deepcopy(reference)
+    del older["model"]["embeddings"]["multiplier"]  # 1.0, the default
+    check_base("the checkpoint", older)
+    del older["model"]["decoder"]["block"]["mlp"]["intermediate_size"]  # 48, the default 4096
+    with pytest.raises(CheckpointError, match=r"model\.decoder\.block\.mlp\.intermediate_size was 4096, is 48"):
+        check_base("the checkpoint", older)

@@ -268,7 +268,7 @@ def check_base(checkpoint: str | Path, base: Mapping[str, Any]) -> None:
     differences = (
         [] if found["format"] == base.get("format") else [f"format was {base.get('format')}, is {found['format']}"]
     )
-    differences += _differences(base.get("model"), found["model"], "model")
+    differences += _differences(_comparable(base.get("model")), _comparable(found["model"]), "model")
     recorded = (base.get("checksums") or {}).get("files") or {}
     for name in sorted(set(recorded) | set(found["checksums"]["files"])):
         now = found["checksums"]["files"].get(name)
@@ -285,6 +285,15 @@ def check_base(checkpoint: str | Path, base: Mapping[str, Any]) -> None:
             f"{what} changed since the checkpoint was saved: {'; '.join(differences[:5])}{more}. Adapters trained on "
             "other weights would be wrong on these: restore the base it was trained on",
         )
+
+
+def _comparable(model: Any) -> Any:
+    """A base's model config with every field (structured by this blockzoo), so that a field added since the
+    checkpoint was saved, at its default, is no difference; as recorded if it no longer structures."""
+    try:
+        return to_dict(structure(model, ModelConfig, root="model"))
+    except ConfigError:
+        return model
 
 
 def _differences(recorded: Any, found: Any, where: str) -> list[str]:
