@@ -47,7 +47,8 @@ def fla_available() -> bool:
 
 
 def uses_fla_kernel(q: torch.Tensor) -> bool:
-    """Whether `gated_delta_rule` takes flash-linear-attention's kernel: CUDA and fla importable."""
+    """Whether `gated_delta_rule` takes flash-linear-attention's kernel (but for one-token generation steps): CUDA
+    and fla importable."""
     return q.is_cuda and fla_available()
 
 
@@ -75,14 +76,15 @@ def gated_delta_rule(
     batch. Computed in fp32 (float64 for float64 inputs) on the torch path; the output has the dtype of `v`.
     """
     _check(q, k, v, g, beta, batch, state)
-    if uses_fla_kernel(q):
+    one_token_steps = state is not None and batch.max_length == 1  # decoding: the recurrence itself, on any device
+    if uses_fla_kernel(q) and not one_token_steps:
         return _fla_gated_delta_rule(q, k, v, g, beta, batch, state)
     dtype = torch.promote_types(v.dtype, torch.float32)
     repeat = v.shape[1] // k.shape[1]
     q, k = (l2_normalize(x.to(dtype)).repeat_interleave(repeat, dim=1) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
     initial = None if state is None else state.detach().to(dtype)
-    if state is not None and batch.max_length == 1:  # one token per sequence: the recurrence itself
+    if one_token_steps:
         output, final = recurrent_step(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), initial)
     else:
         output, final = chunked_gated_delta_rule(
