@@ -111,7 +111,7 @@ def main() -> None:
         implementations.append("flash_attention_2")
     batched = hidden.view(arguments.sequences, arguments.length, arguments.hidden)
     positions = torch.arange(arguments.length, device="cuda")[None].expand(arguments.sequences, -1)
-    rotary = DeepseekV3RotaryEmbedding(hf_config, device="cuda")
+    rotary = DeepseekV3RotaryEmbedding(hf_config).to("cuda")
     for implementation in implementations:
         hf_config._attn_implementation = implementation
         theirs = DeepseekV3Attention(hf_config, layer_idx=0).cuda()
