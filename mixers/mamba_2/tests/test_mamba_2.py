@@ -175,6 +175,7 @@ FIELD_CHANGES = {
     "d": {"d": {"weight_decay": True}},
     "d_per_channel": {"d_per_channel": True},
     "normalization": {"normalization": {"per_group": False}},
+    "in_proj_multipliers": {"in_proj_multipliers": {"c": 0.5}},
     "lr_scale": {"lr_scale": 0.0},
 }
 # The fields of the nested configs, each changed on its own.
@@ -207,6 +208,23 @@ def test_every_field_changes_parameters_or_outputs():
         assert _changes_something(change, base), f"changing {name} changed nothing"
     for (owner, name), change in NESTED_CHANGES.items():
         assert _changes_something({owner: change}, base), f"changing {owner}.{name} did nothing"
+
+
+def test_in_proj_multipliers_scale_the_rows_of_each_component():
+    """Scaling a component's output (Falcon-H1's mup vector) is scaling its rows of in_proj, bias included."""
+    multipliers = {"z": 0.5, "x": 2.0, "b": 1.5, "c": 0.25, "dt": 3.0}
+    config = {**FIELD_BASE, "add_linear_biases": True, "in_proj_multipliers": multipliers}
+    scaled, plain = build(config), build({**config, "in_proj_multipliers": {}})
+    inner, state, heads = 4 * 4, 2 * 3, 4  # heads · head_size; groups · state_size; heads
+    rows = {"z": inner, "x": inner, "b": state, "c": state, "dt": heads}
+    vector = torch.cat([torch.full((rows[role],), multipliers[role]) for role in ("z", "x", "b", "c", "dt")])
+    with torch.no_grad():
+        plain.load_state_dict(scaled.state_dict())
+        plain.in_proj.weight.mul_(vector[:, None])
+        plain.in_proj.bias.mul_(vector)
+    hidden, _ = layer_inputs(sum(LENGTHS))
+    with torch.no_grad():
+        torch.testing.assert_close(scaled(hidden, Batch(LENGTHS)), plain(hidden, Batch(LENGTHS)), rtol=1e-5, atol=1e-6)
 
 
 def test_chunk_size_reaches_the_scan_and_changes_only_rounding(monkeypatch):

@@ -7,7 +7,10 @@ from blockzoo.testing import MixerConformance
 
 class TestMamba2Conformance(MixerConformance):
     # dt_limit clamps the time step; the default (0, inf) clamps nothing, this one clamps the initial dt_bias range.
-    field_changes = {"dt_limit": {"dt_limit": [0.01, 0.05]}}
+    field_changes = {
+        "dt_limit": {"dt_limit": [0.01, 0.05]},
+        "in_proj_multipliers": {"in_proj_multipliers": {"x": 2.0}},
+    }
     field_exceptions = {"chunk_size": "splits the scan into chunks: speed and memory, not the result"}
 
     def config_factory(self):

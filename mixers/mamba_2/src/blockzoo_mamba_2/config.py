@@ -121,6 +121,11 @@ class Mamba2Config(MixerConfig):
     normalization: GatedNormalizationConfig = field(
         factory=GatedNormalizationConfig, doc="The gated RMSNorm of the scan's output."
     )
+    in_proj_multipliers: dict[str, float] = field(
+        factory=dict,
+        doc="Scales in_proj's output per component (z, x, b, c, dt; 1 if absent): Falcon-H1's ssm_multipliers "
+        "(its mup_vector).",
+    )
     lr_scale: float | None = field(
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
@@ -128,6 +133,12 @@ class Mamba2Config(MixerConfig):
     def __attrs_post_init__(self) -> None:
         check(self.groups <= self.heads, "groups", f"must be <= heads ({self.heads}), got {self.groups}")
         check(self.heads % self.groups == 0, "groups", f"must divide heads ({self.heads}), got {self.groups}")
+        for name in self.in_proj_multipliers:
+            check(
+                name in IN_PROJ_COMPONENTS,
+                f"in_proj_multipliers.{name}",
+                f"no in_proj component {name!r} (they are {', '.join(IN_PROJ_COMPONENTS)})",
+            )
         low, high = self.dt_limit
         check(0 <= low < high, "dt_limit", f"must be [min, max] with 0 <= min < max, got [{low}, {high}]")
         biases = {name: self.has_bias(getattr(self, name)) for name in IN_PROJ_COMPONENTS}

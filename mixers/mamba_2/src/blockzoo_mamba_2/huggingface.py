@@ -185,6 +185,23 @@ def _weights(config: Mamba2Config) -> list[WeightMapping]:
 INITIALIZATION_ONLY = "they set the initialization of dt_bias, not what the model computes"
 
 
+def _check_no_in_proj_multipliers(config: Mamba2Config) -> dict[str, Any]:
+    if any(value != 1 for value in config.in_proj_multipliers.values()):
+        raise ConversionError(
+            f"`in_proj_multipliers` {config.in_proj_multipliers} cannot be written: this format has none"
+        )
+    return {}
+
+
+# The formats without per-component in_proj multipliers (all: Falcon-H1's `ssm_multipliers` is not a format yet).
+NO_IN_PROJ_MULTIPLIERS = Computed(
+    ("in_proj_multipliers",),
+    (),
+    import_=lambda data: {"in_proj_multipliers": {}},
+    export=_check_no_in_proj_multipliers,
+)
+
+
 def mamba_2_section(
     *,
     name: str,
@@ -213,6 +230,7 @@ def mamba_2_section(
             _projection_biases(keys["bias"]),
             time_step,
             Constant("d_per_channel", False),
+            NO_IN_PROJ_MULTIPLIERS,
             Rename("normalization.epsilon", keys["epsilon"]),
             _grouped_norm(per_group),
             Fixed(keys["activation"], "silu"),

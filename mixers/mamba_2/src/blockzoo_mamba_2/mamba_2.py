@@ -109,6 +109,9 @@ class Mamba2(Mixer):
         tensor_size = distributed.tensor_size
         sizes = dict(zip(IN_PROJ_COMPONENTS, (dim.local_size(tensor_size) for dim in in_proj_dim.dims)))
         self._in_proj_sizes = [sizes["z"], sizes["x"] + sizes["b"] + sizes["c"], sizes["dt"]]
+        # (local size, multiplier) of each component, in in_proj's output order; none when all are 1.
+        multipliers = [config.in_proj_multipliers.get(role, 1.0) for role in IN_PROJ_COMPONENTS]
+        self._in_proj_scale = [] if set(multipliers) == {1.0} else list(zip(sizes.values(), multipliers))
         self._xbc_sizes = [dim.local_size(tensor_size) for dim in convolution_dim.dims]
 
         linear = {
@@ -171,8 +174,13 @@ class Mamba2(Mixer):
 
     def _project(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """[z, x‖B‖C, dt]: views of in_proj's output, never copied on CUDA (the kernels read strided rows); one
-        split, so the backward assembles in_proj's gradient in one concatenation."""
-        return self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
+        split, so the backward assembles in_proj's gradient in one concatenation. With `in_proj_multipliers`, each
+        component's channels are scaled first (a copy)."""
+        projected = self.in_proj(hidden)
+        if self._in_proj_scale:
+            scale = torch.cat([projected.new_full((size,), value) for size, value in self._in_proj_scale])
+            projected = projected * scale
+        return projected.split(self._in_proj_sizes, dim=-1)
 
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x, dt, A, B, C) of the scan; A = -exp(A_log) in fp32 whatever the compute dtype."""
