@@ -66,9 +66,16 @@ def _greedy_by_full_forward(model, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("absorbed", [True, False])
 def test_generation_through_the_latent_cache_equals_greedy_full_forwards(tmp_path, absorbed):
-    # The example's model (random weights, float32): prompts of different lengths decoded token by token.
+    # The example's blocks at small widths (random weights, float32): prompts of different lengths decoded token by
+    # token, the MLA blocks through the latent cache, the Mamba 2 blocks through their state.
     data = read_yaml(EXAMPLE)
-    data["model"]["decoder"]["blocks"]["mla"]["mixer"]["absorbed_decoding"] = absorbed
+    data["model"]["hidden_size"] = 32
+    blocks = data["model"]["decoder"]["blocks"]
+    blocks["ssm"]["mixer"].update(heads=2, head_size=16, state_size=8, chunk_size=4)
+    blocks["ssm"]["mlp"]["intermediate_size"] = 32
+    sizes = {"query_rank": 16, "key_value_rank": 16, "nope_head_size": 8, "rotary_head_size": 8, "value_head_size": 4}
+    blocks["mla"]["mixer"].update(heads=2, absorbed_decoding=absorbed, **sizes)
+    blocks["mla"]["mlp"]["intermediate_size"] = 16
     model = blockzoo.build(structure({**data, "distributed": {"seed": 7, "backend": "gloo"}}, RunConfig))
     model.eval()
     prompts = [[3, 14, 15, 9, 2, 6], [5], [35, 8, 9]]
