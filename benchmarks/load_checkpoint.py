@@ -1,6 +1,16 @@
-"""Loading a checkpoint into a model on the CPU: blockzoo (native and Hugging Face directories) against transformers'
-`from_pretrained` of the same Hugging Face directory, in one run, fp32, until every weight is in memory. Prints
-seconds (best of `--repeats`) and the ratio (> 1: blockzoo is faster).
+"""Loading and saving a checkpoint on the CPU: blockzoo against transformers, in one run, fp32.
+
+Loading: `blockzoo.load` of a native checkpoint and of a Hugging Face directory against transformers'
+`from_pretrained` of the same directory, until every weight is in memory (transformers maps the files and reads a
+tensor when it is first used, so every parameter is read once, summed, before the clock stops). Saving: `blockzoo.save`
+of the loaded model as a native checkpoint and as a Hugging Face directory (`format="llama"`) against transformers'
+`save_pretrained` of its loaded model.
+
+Each contender runs in a process of its own (so that its peak RSS, `getrusage`, is its own): it imports its library,
+then loads (or saves) `--repeats` times; it reports the first time (with whatever a first load does once: blockzoo
+verifies a native checkpoint's checksums once per process), the best time, its resident memory after the imports and
+its peak. Prints the seconds, the peaks and the ratios (time: transformers / blockzoo, > 1: blockzoo is faster; peak:
+blockzoo / transformers). Run it with `OMP_NUM_THREADS=1` on a shared machine.
 
 `python benchmarks/load_checkpoint.py [--hidden 2048 --layers 8 ...]` (needs blockzoo-attention, blockzoo-mlp,
 blockzoo-huggingface and transformers). The default is a Llama-shaped model of 486M parameters.
@@ -9,7 +19,13 @@ blockzoo-huggingface and transformers). The default is a Llama-shaped model of 4
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import resource
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,25 +33,86 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch
-import transformers
-
-import blockzoo
-
-transformers.utils.logging.disable_progress_bar()
+CONTENDERS = ("load-native", "load-hf", "load-transformers", "save-blockzoo", "save-transformers")
 
 
-def best_of(repeats: int, load) -> float:
-    """Seconds until the loaded model's weights are all in memory: transformers maps the files and reads a tensor
-    when it is first used, so every parameter is read once (summed) before the clock stops."""
-    times = []
-    for _ in range(repeats):
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _sum_parameters(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        sum(float(parameter.sum()) for parameter in model.parameters())
+
+
+def _child(kind: str, directory: Path, repeats: int) -> dict:
+    """One contender's figures (run in its own process)."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    if kind.endswith("transformers"):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+
+        def load():
+            return transformers.AutoModelForCausalLM.from_pretrained(directory / "hf", dtype=torch.float32)
+    else:
+        import blockzoo
+
+        source = directory / ("native" if kind == "load-native" else "hf")
+
+        def load():
+            return blockzoo.load(source)
+
+        blockzoo.save  # noqa: B018 - the API's imports done before the clock
+    figures: dict = {"after_imports_mib": _resident_mib(), "times": {}}
+
+    def timed(name: str, action, *arguments, **options) -> None:
         start = time.perf_counter()
+        action(*arguments, **options)
+        figures["times"].setdefault(name, []).append(time.perf_counter() - start)
+
+    if kind.startswith("load"):
+        for _ in range(repeats):
+            model = None
+
+            def load_and_read():
+                nonlocal model
+                model = load()
+                _sum_parameters(model)
+
+            timed("load", load_and_read)
+            del model
+            gc.collect()
+    else:
         model = load()
-        with torch.no_grad():
-            sum(float(parameter.sum()) for parameter in model.parameters())
-        times.append(time.perf_counter() - start)
-    return min(times)
+        _sum_parameters(model)
+        for repeat in range(repeats):
+            target = directory / f"saved-{kind}-{repeat}"
+            if kind == "save-transformers":
+                timed("save", model.save_pretrained, target / "hf")
+            else:
+                timed("save native", blockzoo.save, model, target / "native")
+                timed("save hf", blockzoo.save, model, target / "hf", format="llama")
+            shutil.rmtree(target)
+    figures["peak_mib"] = _peak_mib()
+    return figures
+
+
+def _run_child(kind: str, directory: Path, repeats: int) -> dict:
+    command = [sys.executable, __file__, "--child", kind, "--directory", str(directory), "--repeats", str(repeats)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"{kind} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -46,8 +123,18 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=5504)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--directory", type=Path, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.child:
+        print(json.dumps(_child(arguments.child, arguments.directory, arguments.repeats)))
+        return
+
+    import torch
+
+    import blockzoo
+
     mixer = {
         "type": "attention",
         "heads": arguments.heads,
@@ -66,22 +153,47 @@ def main() -> None:
         }
     )
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    with tempfile.TemporaryDirectory() as directory:
-        native, huggingface = Path(directory) / "native", Path(directory) / "hf"
-        blockzoo.save(model, native)
-        blockzoo.save(model, huggingface, format="llama")
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = Path(temporary)
+        blockzoo.save(model, directory / "native")
+        blockzoo.save(model, directory / "hf", format="llama")
         del model
-        ours_native = best_of(arguments.repeats, lambda: blockzoo.load(native))
-        ours = best_of(arguments.repeats, lambda: blockzoo.load(huggingface))
-        theirs = best_of(
-            arguments.repeats,
-            lambda: transformers.AutoModelForCausalLM.from_pretrained(huggingface, dtype=torch.float32),
+        figures = {kind: _run_child(kind, directory, arguments.repeats) for kind in CONTENDERS}
+
+    threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    print(f"{parameters / 1e6:.0f}M parameters, fp32, CPU ({threads} threads), best of {arguments.repeats}")
+    print(f"{'contender':<44} {'first s':>8} {'best s':>8} {'imports MiB':>12} {'peak MiB':>9}")
+    rows = [
+        ("blockzoo.load(native checkpoint)", "load-native", "load"),
+        ("blockzoo.load(Hugging Face directory)", "load-hf", "load"),
+        ("transformers from_pretrained(same directory)", "load-transformers", "load"),
+        ("blockzoo.save(native checkpoint)", "save-blockzoo", "save native"),
+        ("blockzoo.save(format='llama')", "save-blockzoo", "save hf"),
+        ("transformers save_pretrained", "save-transformers", "save"),
+    ]
+    best = {}
+    for label, kind, key in rows:
+        times = figures[kind]["times"][key]
+        best[label] = min(times)
+        print(
+            f"{label:<44} {times[0]:>8.2f} {min(times):>8.2f} {figures[kind]['after_imports_mib']:>12.0f} "
+            f"{figures[kind]['peak_mib']:>9.0f}"
         )
-    print(f"{parameters / 1e6:.0f}M parameters, fp32, CPU ({torch.get_num_threads()} threads)")
-    print(f"blockzoo.load(native checkpoint): {ours_native:.2f} s")
-    print(f"blockzoo.load(Hugging Face directory): {ours:.2f} s")
-    print(f"transformers from_pretrained(same directory): {theirs:.2f} s")
-    print(f"ratio (transformers / blockzoo, Hugging Face directory): {theirs / ours:.2f}")
+    theirs = best["transformers from_pretrained(same directory)"]
+    peak = figures["load-transformers"]["peak_mib"]
+    for label, kind in (("native checkpoint", "load-native"), ("Hugging Face directory", "load-hf")):
+        ours = min(figures[kind]["times"]["load"])
+        print(
+            f"load, {label}: time ratio (transformers / blockzoo) {theirs / ours:.2f}, peak RSS ratio (blockzoo / "
+            f"transformers) {figures[kind]['peak_mib'] / peak:.2f}"
+        )
+    saved = best["transformers save_pretrained"]
+    for label in ("blockzoo.save(native checkpoint)", "blockzoo.save(format='llama')"):
+        print(f"save, {label}: time ratio (transformers / blockzoo) {saved / best[label]:.2f}")
+    print(
+        "save peak RSS ratio (blockzoo / transformers, load + saves): "
+        f"{figures['save-blockzoo']['peak_mib'] / figures['save-transformers']['peak_mib']:.2f}"
+    )
 
 
 if __name__ == "__main__":

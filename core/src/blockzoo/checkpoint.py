@@ -55,18 +55,18 @@ import torch
 import torch.distributed as dist
 import yaml
 from packaging.version import InvalidVersion, Version
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from blockzoo import __version__
 from blockzoo.config import Config, PolymorphicConfig, to_yaml
-from blockzoo.conversion import Origin
+from blockzoo.conversion import ConversionError, Origin
 from blockzoo.distributed.data_parallel import shard_like, whole
-from blockzoo.distributed.runtime import Distributed, local_tensor
+from blockzoo.distributed.runtime import Distributed
 from blockzoo.errors import UsageError
+from blockzoo.loading import fill_parameter
 from blockzoo.peft.apply import is_adapter_parameter
 from blockzoo.plugins import get_registry
-from blockzoo.safetensors_io import DTYPES, SafetensorsWriter
+from blockzoo.safetensors_io import SafetensorsReader, SafetensorsWriter
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"
@@ -506,11 +506,16 @@ def _is_disk_full(error: BaseException | None) -> bool:
     return False
 
 
-def file_checksum(path: Path) -> str:
-    """The file's checksum (`CHECKSUM_ALGORITHM`): its 16 MiB chunks hashed by several threads, then their digests."""
-    size = path.stat().st_size
+def file_checksum(path: Path, data: torch.Tensor | None = None) -> str:
+    """The file's checksum (`CHECKSUM_ALGORITHM`): its 16 MiB chunks hashed by several threads, then their digests.
+    `data`: the file's bytes as a mapped uint8 tensor (`SafetensorsReader.mapped_file`), hashed where they are
+    (no copy; a loader's tensors are views of the same map), else the file is read."""
+    size = path.stat().st_size if data is None else len(data)
+    whole = None if data is None or not size else data.numpy()
 
     def chunk(index: int) -> bytes:
+        if whole is not None:
+            return hashlib.sha256(whole[index * _CHUNK : (index + 1) * _CHUNK]).digest()
         # Each chunk read in 1 MiB pieces: the same digest, without a chunk's worth of memory per thread.
         digest, left = hashlib.sha256(), _CHUNK
         with open(path, "rb") as file:
@@ -686,7 +691,9 @@ def load_checkpoint(
             if optimizer is not None:  # Read (and checked) before any parameter changes.
                 with _TensorFile(directory / OPTIMIZER_FILE, metadata) as states:
                     optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
-            _copy_weights(weights, parameters, distributed)
+            # Resuming (with the optimizer) copies: a run prunes its old checkpoints, and a file mapped by the model
+            # would keep its disk space until the process ends.
+            _copy_weights(weights, parameters, distributed, adopt=optimizer is None)
         if optimizer is not None:
             # Through `load_state_dict`: torch places each state tensor (device, dtype) as the optimizer expects.
             state_dict = optimizer.state_dict()
@@ -745,12 +752,16 @@ def _check_checksums_entry(path: Path, metadata: Mapping[str, Any]) -> None:
         )
 
 
+# libyaml's safe loader where PyYAML has it (ten times faster: a checkpoint's YAML files are read a few times a load).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 # (path, size, modification time, checksum) of files verified by this process: resuming verifies, then loads.
 _verified: set[tuple[Path, int, int, str]] = set()
 
 
-def _verify_checksum(path: Path, metadata: Mapping[str, Any]) -> None:
-    """Raise unless `path` matches the checksum the metadata records for it (nothing recorded: nothing checked)."""
+def _verify_checksum(path: Path, metadata: Mapping[str, Any], data: torch.Tensor | None = None) -> None:
+    """Raise unless `path` matches the checksum the metadata records for it (nothing recorded: nothing checked).
+    `data`: the file's bytes already mapped (`file_checksum`)."""
     name = f"{ORIGIN_DIRECTORY}/{path.name}" if path.parent.name == ORIGIN_DIRECTORY else path.name
     expected = (metadata.get("checksums") or {}).get("files", {}).get(name)
     if expected is None:
@@ -761,7 +772,7 @@ def _verify_checksum(path: Path, metadata: Mapping[str, Any]) -> None:
     key = (path.resolve(), status.st_size, status.st_mtime_ns, expected)
     if key in _verified:
         return
-    if file_checksum(path) != expected:
+    if file_checksum(path, data) != expected:
         if path.name == CONFIG_FILE:
             problem = (
                 "edited since the checkpoint was saved (its checksum differs from the one metadata.yaml records); a "
@@ -801,7 +812,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(path, "missing: not a complete checkpoint")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_YAML_LOADER)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise CheckpointError(path, f"cannot be read: {error}") from None
     if not isinstance(data, dict):
@@ -810,35 +821,36 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 class _TensorFile:
-    """A safetensors file read tensor by tensor, with errors that name it, checked against the checksum `metadata`
-    records for it. Use as a context manager."""
+    """A safetensors file read tensor by tensor as views of its memory map (`SafetensorsReader.mapped`), with errors
+    that name it, checked against the checksum `metadata` records for it (hashed over the same map: the pages it
+    reads are those the tensors then use). Use as a context manager."""
 
     def __init__(self, path: Path, metadata: Mapping[str, Any]):
         self.path = path
         if not path.is_file():
             raise CheckpointError(path, "missing: not a complete checkpoint")
-        _verify_checksum(path, metadata)
         try:
-            self._file = safe_open(str(path), framework="pt", device="cpu")
-            self._handle = self._file.__enter__()
-            names = self._handle.keys()
-            slices = {name: self._handle.get_slice(name) for name in names}
-            self.shapes = {name: tuple(entry.get_shape()) for name, entry in slices.items()}
-            self.dtypes = {name: DTYPES.get(entry.get_dtype()) for name, entry in slices.items()}
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(path, f"corrupted or truncated safetensors file: {error}") from None
+            self._reader = SafetensorsReader(path)
+        except ConversionError as error:
+            problem = str(error).removeprefix(f"{path}: ")
+            raise CheckpointError(path, f"corrupted or truncated safetensors file: {problem}") from None
+        try:
+            _verify_checksum(path, metadata, self._reader.mapped_file())
+        except BaseException:
+            self._reader.close()
+            raise
+        self.shapes = {name: self._reader.shape(name) for name in self._reader.names}
+        self.dtypes = {name: self._reader.dtype(name) for name in self._reader.names}
 
     def __enter__(self) -> _TensorFile:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._file.__exit__(*exc_info)
+        self._reader.close()
 
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._handle.get_tensor(name)
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(self.path, f"cannot read tensor {name!r}: {error}") from None
+        """The tensor, a view of the mapped file (private: writing to it never changes the file)."""
+        return self._reader.mapped(name)
 
     def error(self, problem: str) -> CheckpointError:
         return CheckpointError(self.path, problem)
@@ -883,10 +895,13 @@ def _check_weights(
             )
 
 
-def _copy_weights(file: _TensorFile, parameters: Mapping[str, nn.Parameter], distributed: Distributed) -> None:
+def _copy_weights(
+    file: _TensorFile, parameters: Mapping[str, nn.Parameter], distributed: Distributed, *, adopt: bool
+) -> None:
+    """Fill the parameters; with `adopt`, one held whole here becomes the mapped tensor (`blockzoo.loading`)."""
     with torch.no_grad():
         for name, parameter in parameters.items():
-            local_tensor(parameter).copy_(local_tensor(_to_local(file.get(name), parameter, distributed)))
+            fill_parameter(parameter, file.get(name), distributed, adopt=adopt)
 
 
 def _read_optimizer_state(
@@ -922,5 +937,5 @@ def _read_optimizer_state(
         own = state.setdefault(index_of[id(parameter)], {})
         for key in sorted(state_keys):
             tensor = file.get(f"{name}/{key}")
-            own[key] = _to_local(tensor, parameter, distributed) if tensor.ndim else tensor
+            own[key] = _to_local(tensor, parameter, distributed) if tensor.ndim else tensor.clone()
     return state

@@ -1,9 +1,15 @@
-"""Reading and writing safetensors files one tensor at a time, with plain file reads and writes.
+"""Reading and writing safetensors files one tensor at a time.
 
 The format: an 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets}, "__metadata__":
-{...}}`, then the tensors' bytes. Not memory-mapped: a tensor read is a copy of its bytes and nothing else stays
-resident, so converting a checkpoint holds about one shard in memory, however large the files. Every problem
-(truncated file, corrupted header) is a `ConversionError` naming the file.
+{...}}`, then the tensors' bytes. Every problem (truncated file, corrupted header) is a `ConversionError` naming the
+file. Two ways to read a tensor:
+
+- `read`: a plain file read into a new tensor, nothing else stays resident (converting a checkpoint holds about one
+  shard in memory, however large the files);
+- `mapped`: a view of the file mapped in memory, private (copy-on-write: writing to it changes this process's
+  memory, never the file). Nothing is read until the view is used, and then from the page cache without a copy, so
+  a loaded model's parameters can be the file's pages themselves (`blockzoo.load`, as transformers does), or a copy
+  from them into a parameter (a shard, a dtype cast, a concatenated weight's part) is the only pass over the bytes.
 
 One copy for the project: native checkpoints (`blockzoo.checkpoint`) are written with `SafetensorsWriter` tensor by
 tensor as the ranks gather them, and the Hugging Face converter reads and writes its files with both classes.
@@ -12,8 +18,10 @@ tensor as the ranks gather them, and the Hugging Face converter reads and writes
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -53,6 +61,7 @@ class SafetensorsReader:
             raise ConversionError(f"{self.path}: missing") from None
         except OSError as error:
             raise ConversionError(f"{self.path}: cannot be opened: {error}") from None
+        self._map: torch.Tensor | None = None  # the whole file, mapped on first use (`mapped`)
         try:
             self.entries, self.metadata = self._read_header()
         except BaseException:
@@ -99,7 +108,9 @@ class SafetensorsReader:
         self.close()
 
     def close(self) -> None:
+        """Close the file; the views `mapped` gave stay valid (the mapping lives as long as one of them)."""
         self._file.close()
+        self._map = None
 
     @property
     def names(self) -> list[str]:
@@ -120,6 +131,40 @@ class SafetensorsReader:
         if self._file.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != end - begin:
             raise self._error(f"truncated while reading tensor {name!r}")
         return tensor
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor `name` as a view of the file mapped in memory (private, copy-on-write; see the module)."""
+        begin, end = self.entries[name]["data_offsets"]
+        return self._view(begin, end, self.dtype(name), self.shape(name))
+
+    def mapped_run(self, names: list[str]) -> torch.Tensor | None:
+        """The tensors `names` laid end to end along their first dim, as one mapped view, when the file holds them
+        so: each right after the previous one, of one dtype and the same other dims. Else None."""
+        entries = [self.entries[name] for name in names]
+        dtypes = {entry["dtype"] for entry in entries}
+        trailing = {tuple(entry["shape"][1:]) for entry in entries}
+        if len(dtypes) != 1 or len(trailing) != 1 or any(not entry["shape"] for entry in entries):
+            return None
+        if any(a["data_offsets"][1] != b["data_offsets"][0] for a, b in itertools.pairwise(entries)):
+            return None
+        rows = sum(entry["shape"][0] for entry in entries)
+        begin, end = entries[0]["data_offsets"][0], entries[-1]["data_offsets"][1]
+        return self._view(begin, end, DTYPES[dtypes.pop()], (rows, *trailing.pop()))
+
+    def mapped_file(self) -> torch.Tensor:
+        """The whole file's bytes (header included) as a uint8 tensor of the map the `mapped` views share."""
+        if self._map is None:
+            # ACCESS_COPY: a private mapping, so the tensors are writable and no write reaches the file.
+            self._map = torch.frombuffer(mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        return self._map
+
+    def _view(self, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if begin == end:  # an empty tensor (no bytes to map)
+            return torch.empty(shape, dtype=dtype)
+        data = self.mapped_file()[self._data_start + begin : self._data_start + end]
+        if (self._data_start + begin) % dtype.itemsize:  # not aligned for a view as `dtype` (never in our files)
+            data = data.clone()
+        return data.view(dtype).reshape(shape)
 
 
 class SafetensorsWriter:

@@ -85,6 +85,39 @@ def read_in_file_order(tensors: Mapping[str, TensorInfo], names: set[str]) -> It
                 yield name, reader.read(name)
 
 
+class MappedTensors:
+    """The tensors of a directory (`huggingface_tensors`) as views of their memory-mapped shards
+    (`SafetensorsReader.mapped`: nothing read until used, writing never reaches the files). Each shard is opened on
+    first use and closed with the context; the views stay valid after it."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo]):
+        self._tensors = tensors
+        self._readers: dict[Path, SafetensorsReader] = {}
+
+    def __enter__(self) -> MappedTensors:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def _reader(self, name: str) -> SafetensorsReader:
+        file = self._tensors[name].file
+        if file not in self._readers:
+            self._readers[file] = SafetensorsReader(file)
+        return self._readers[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._reader(name).mapped(name)
+
+    def run(self, names: Sequence[str]) -> torch.Tensor | None:
+        """The tensors `names` end to end along dim 0 as one view, when one shard holds them so (else None)."""
+        if len({self._tensors[name].file for name in names}) != 1:
+            return None
+        return self._reader(names[0]).mapped_run(list(names))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Writing directories
 

@@ -243,7 +243,7 @@ class HuggingfaceFormat(CheckpointFormat):
         origin = versions.standardize(dict(origin), self.default_rope_theta)
         return {key: value for key, value in origin.items() if key in carried}
 
-    # -- weights (weights.py) ----------------------------------------------------------------------------------------
+    # -- weights (weights.py, imported on first use: it needs torch, and does not import this module) --------------
 
     def weight_mappings(self, model: ModelConfig) -> list[WeightMapping]:
         """Every weight mapping of the model, with full names. A tensor claimed twice is a section bug."""

@@ -1,10 +1,16 @@
 """Weights of a Hugging Face format, streamed one tensor at a time.
 
-Importing: the directory's tensors are read in file order, one shard open at a time; each mapping converts as
-soon as all its inputs are in and what it makes goes straight to the model's parameters or to the native file
-being written, so memory holds the tensors of the mappings in progress, not the checkpoint. Before anything is
-read, the plan is checked against the headers: every tensor claimed (or known to hold nothing), every claimed
-tensor present, every parameter made with its shape (the mappings run on meta tensors).
+Loading into a model (`load_weights`): each tensor is read once, from the memory-mapped shards, straight into its
+parameter or this rank's shard of it (`blockzoo.loading`): a parameter held whole here in the file's dtype becomes
+the mapped tensor itself (no copy), a concatenated one is either a view of its parts (when the file holds them end
+to end) or assembled by copying each part into its rows; only computed weights (`ComputedWeights`) are made apart
+and copied in.
+
+Converting (`import_checkpoint`): the directory's tensors are read in file order with plain reads, one shard open
+at a time; each mapping converts as soon as all its inputs are in and what it makes goes straight to the native
+file being written, so memory holds the tensors of the mappings in progress, not the checkpoint. Before anything is
+read (either way), the plan is checked against the headers: every tensor claimed (or known to hold nothing), every
+claimed tensor present, every parameter made with its shape (the mappings run on meta tensors).
 
 Exporting: the mappings run in order, each reading its parameters (from the model, gathered over the parallel
 ranks, or from a native checkpoint file) and writing its tensors into the shard planned for them, shards of at
@@ -15,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,24 +33,47 @@ import blockzoo
 from blockzoo.api import Distributed, DistributedConfig
 from blockzoo.checkpoint import MODEL_FILE, read_checkpoint_config, read_origin
 from blockzoo.config import structure
-from blockzoo.conversion import ConversionError, Origin, WeightMapping, read_json
+from blockzoo.conversion import Concatenated, ConversionError, Origin, Weight, WeightMapping, read_json
+from blockzoo.loading import fill_concatenated, fill_parameter
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
 from blockzoo.safetensors_io import SafetensorsReader, SafetensorsWriter
 from blockzoo_huggingface import files
-from blockzoo_huggingface.format import CONFIG_JSON, HuggingfaceFormat
+from blockzoo_huggingface.files import CONFIG_JSON
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30  # bytes, as transformers 4.x
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HuggingfaceFormat(Protocol):
+    """What these functions use of a format (`blockzoo_huggingface.format.HuggingfaceFormat`, whose weight methods
+    call them): this module does not import it, so the two make no import cycle."""
+
+    name: str
+
+    def weight_mappings(self, model: ModelConfig) -> list[WeightMapping]: ...
+
+    def ignored_tensor(self, model: ModelConfig) -> re.Pattern: ...
+
+    def read_model_config(self, directory: Path) -> dict[str, Any]: ...
+
+    def origin(self, directory: Path) -> Origin | None: ...
+
+    def export_config(
+        self, model: ModelConfig, *, transformers_version: str | None = None, origin: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Importing
 
 
-def stream_import(
+def _import_plan(
     fmt: HuggingfaceFormat, directory: Path, model: ModelConfig, expected: Mapping[str, tuple[int, ...]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(parameter name, global tensor) of every parameter of `model` (whose global shapes are `expected`)."""
+) -> tuple[list[WeightMapping], dict[str, files.TensorInfo]]:
+    """The mappings of `model` and the directory's tensors, checked against the headers before anything is read:
+    every tensor claimed (or known to hold nothing), every claimed tensor present, every parameter (global shapes
+    `expected`) made with its shape."""
     mappings = fmt.weight_mappings(model)
     tensors = files.huggingface_tensors(directory)
     claimed = {name for mapping in mappings for name in mapping.theirs}
@@ -56,7 +86,15 @@ def stream_import(
     if missing := [name for name in claimed if name not in tensors]:
         raise ConversionError(f"{directory}: {_some(missing)} missing from the checkpoint")
     _check_import_shapes(mappings, tensors, expected, str(directory))
+    return mappings, tensors
 
+
+def stream_import(
+    fmt: HuggingfaceFormat, directory: Path, model: ModelConfig, expected: Mapping[str, tuple[int, ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, global tensor) of every parameter of `model` (whose global shapes are `expected`), read
+    with plain file reads in file order (a conversion holds the mappings in progress, not the checkpoint)."""
+    mappings, tensors = _import_plan(fmt, directory, model, expected)
     by_tensor = {name: mapping for mapping in mappings for name in mapping.theirs}
     pending: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in files.read_in_file_order(tensors, set(by_tensor)):
@@ -69,18 +107,30 @@ def stream_import(
 
 
 def load_weights(fmt: HuggingfaceFormat, directory: Path, model: Any, distributed: Any) -> None:
-    """Fill the model's parameters (this rank's shards of them) from the directory."""
+    """Fill the model's parameters (this rank's shards of them) from the directory, each tensor read once from the
+    mapped shards (see the module)."""
     parameters = dict(model.named_parameters())
     expected = {name: tuple(parameter.meta.global_shape) for name, parameter in parameters.items()}
     if distributed.config.pipeline_parallel > 1:  # a pipeline stage holds some of the model's parameters
         expected = parameter_shapes(model.config)
-    ranks = (distributed.tensor_rank, distributed.tensor_size, distributed.data_rank, distributed.data_size)
-    with torch.no_grad():
-        for name, tensor in stream_import(fmt, directory, model.config, expected):
-            if name not in parameters:
+    mappings, tensors = _import_plan(fmt, directory, model.config, expected)
+    with files.MappedTensors(tensors) as mapped, torch.no_grad():
+        for mapping in mappings:
+            if not any(name in parameters for name in mapping.ours):
                 continue  # another pipeline stage's
-            parameter = parameters[name]
-            parameter.copy_(parameter.meta.global_to_local(tensor, *ranks))
+            if isinstance(mapping, Weight):
+                fill_parameter(parameters[mapping.ours[0]], mapped.get(mapping.theirs[0]), distributed, adopt=True)
+            elif isinstance(mapping, Concatenated):
+                run = None if mapping.transposed else mapped.run(mapping.theirs)
+                parts = [mapped.get(name) for name in mapping.theirs]
+                fill_concatenated(
+                    parameters[mapping.ours[0]], parts, distributed, transposed=mapping.transposed, run=run
+                )
+            else:  # computed: made apart, then copied in (its outputs may share memory with each other)
+                outputs = mapping.import_tensors([mapped.get(name) for name in mapping.theirs])
+                for name, tensor in zip(mapping.ours, outputs):
+                    if name in parameters:
+                        fill_parameter(parameters[name], tensor, distributed, adopt=False)
 
 
 def import_checkpoint(fmt: HuggingfaceFormat, source: Path, destination: Path) -> Path:
