@@ -1,5 +1,6 @@
 """The deepseek_v3 format against transformers itself: import gives its logits, export loads in it with ours, both
-round trips are identical, and what the format cannot express is refused.
+round trips are identical, a transformers 4.x config imports the same model, and what the format cannot express is
+refused.
 
 Each case is a tiny random DeepseekV3ForCausalLM whose mapped fields are away from their defaults
 (hf_cases_deepseek.py).
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 from format_checks import (
+    TOLERANCE,
     check_blockzoo_round_trip,
     check_export,
     check_huggingface_round_trip,
@@ -17,7 +20,9 @@ from format_checks import (
     comparable,
     read_config,
     saved_transformers_cases,
+    with_config,
 )
+from hf_cases import our_logits
 from hf_cases_deepseek import CASES, format_of
 
 import blockzoo
@@ -106,3 +111,17 @@ def test_what_the_format_cannot_express_is_refused(hf_directories):
     block = attrs.evolve(config.decoder.blocks[dense], mixer=scaled)
     decoder = attrs.evolve(config.decoder, blocks={**config.decoder.blocks, dense: block})
     _refused(attrs.evolve(config, decoder=decoder), r"`softmax_scale` 0.5 cannot be written")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_transformers_4_config_imports_the_same_model(case, hf_directories, tmp_path):
+    # transformers 4.x writes `rope_theta` and `rope_scaling` (DeepSeek's YaRN with `type` and its mscale keys).
+    directory, expected = hf_directories[case]
+    config = read_config(directory)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope == {"rope_type": "default"} else rope
+    config["torch_dtype"] = config.pop("dtype")
+    model = blockzoo.load(with_config(directory, tmp_path / "legacy", config))
+    assert model.config == blockzoo.load(directory).config
+    torch.testing.assert_close(our_logits(model), expected, **TOLERANCE)
