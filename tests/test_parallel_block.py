@@ -41,6 +41,7 @@ PATTERN = {
 }
 FIXED = {"type": "fixed", "num_blocks": 2, "block": {**PARALLEL, "mlp": {"type": "none"}}}
 LENGTHS = [7, 12, 5]
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def model_data(decoder: dict) -> dict:
@@ -128,29 +129,73 @@ def test_flops_are_the_sum_of_the_parts():
     assert block.flops(batch) == expected and expected[0] > 0
 
 
-def test_generating_token_by_token_equals_the_full_forward():
-    model = build(PATTERN)
+def check_generation(model: LanguageModel) -> None:
+    """Two prompts, then six tokens each fed one at a time through every mixer's state: each step's logits are
+    those of the full forward over the prompt and the tokens so far."""
     prompts = [tokens_of(5, seed=1), tokens_of(3, seed=2)]
     continuations = [tokens_of(6, seed=3), tokens_of(6, seed=4)]
     states = [block.new_state(2, 11, torch.device("cpu"), torch.float32) for block in model.decoder]
-    assert set(states[0]) == {"attention", "ssm", "conv"}
     lengths = torch.tensor([5, 3])
     with torch.no_grad():
-        step_logits = [
-            model.forward_packed(
-                torch.cat(prompts), Batch(lengths, past_lengths=torch.zeros(2, dtype=torch.long)), states
-            )
-        ]
+        first = Batch(lengths, past_lengths=torch.zeros(2, dtype=torch.long))
+        step_logits = [model.forward_packed(torch.cat(prompts), first, states)]
         for step in range(6):
             tokens = torch.stack([continuation[step] for continuation in continuations])
             step_logits.append(model.forward_packed(tokens, Batch([1, 1], past_lengths=lengths), states))
             lengths = lengths + 1
         for index, (prompt, continuation) in enumerate(zip(prompts, continuations)):
             full = model.forward_packed(torch.cat([prompt, continuation]), Batch([len(prompt) + 6]))
-            first = step_logits[0][sum(len(p) for p in prompts[:index]) : sum(len(p) for p in prompts[: index + 1])]
-            torch.testing.assert_close(first, full[: len(prompt)], rtol=1e-4, atol=1e-5)
+            start = sum(len(p) for p in prompts[:index])
+            torch.testing.assert_close(step_logits[0][start : start + len(prompt)], full[: len(prompt)], **TOLERANCE)
             steps = torch.stack([logits[index] for logits in step_logits[1:]])
-            torch.testing.assert_close(steps, full[len(prompt) :], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(steps, full[len(prompt) :], **TOLERANCE)
+
+
+def test_generating_token_by_token_equals_the_full_forward():
+    model = build(PATTERN)
+    states = model.decoder[0].new_state(2, 11, torch.device("cpu"), torch.float32)
+    assert set(states) == {"attention", "ssm", "conv"}
+    check_generation(model)
+
+
+# Every other first-party mixer beside attention: its own state, its own parameters under `mixers.<name>`.
+OTHER_MIXERS = {
+    "mamba": {"type": "mamba", "state_size": 4, "inner_size": 64},
+    "discrete_mamba_2": {"type": "discrete_mamba_2", "heads": 4, "head_size": 8, "state_size": 4, "chunk_size": 8},
+    "gated_delta_net": {
+        "type": "gated_delta_net",
+        "key_heads": 2,
+        "value_heads": 4,
+        "key_head_size": 8,
+        "value_head_size": 8,
+        "chunk_size": 8,
+    },
+    "mla": {
+        "type": "mla",
+        "heads": 4,
+        "key_value_rank": 16,
+        "nope_head_size": 8,
+        "rotary_head_size": 8,
+        "value_head_size": 8,
+    },
+}
+
+
+@pytest.mark.parametrize("name", OTHER_MIXERS)
+def test_every_first_party_mixer_runs_beside_attention(name):
+    block = {
+        **PARALLEL,
+        "mixers": {"attention": ATTENTION, name: OTHER_MIXERS[name]},
+        "input_multipliers": {name: 1.5},
+        "output_multipliers": {name: 0.5},
+    }
+    model = build({"type": "fixed", "num_blocks": 2, "block": block})
+    assert any(parameter.startswith(f"decoder.1.mixers.{name}.") for parameter, _ in model.named_parameters())
+    batch = Batch(LENGTHS)
+    tokens = tokens_of(batch.num_tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_packed(tokens, batch), by_hand(model, tokens, batch), **TOLERANCE)
+    check_generation(model)
 
 
 def test_a_micro_batch_run_in_slices_equals_the_whole():
