@@ -62,9 +62,39 @@ def test_cuda_decoding_equals_the_full_forward(case):
 
 
 def test_the_kernel_is_installed_and_taken():
-    """On CUDA the delta rule should take fla's kernel: the plugin's environment check says if not."""
-    from blockzoo_gated_delta_net.delta_rule import uses_fla_kernel
+    """On CUDA the delta rule should take fla's kernel: the plugin's environment check says if not. With gradients
+    it does only where fla's backward runs (fla 0.6 refuses it on Hopper with Triton < 3.7.1 without tilelang)."""
+    from blockzoo_gated_delta_net.delta_rule import fla_backward_refused, uses_fla_kernel
     from blockzoo_gated_delta_net.plugin import check_environment
 
     assert check_environment() == []
     assert uses_fla_kernel(torch.zeros(1, device="cuda"))
+    wanting_gradients = torch.zeros(1, device="cuda", requires_grad=True)
+    assert uses_fla_kernel(wanting_gradients) == (not fla_backward_refused())
+
+
+@pytest.mark.parametrize("initial_state", [False, True], ids=["from-zero", "from-a-state"])
+def test_fla_forward_matches_the_torch_path(initial_state):
+    """Without gradients the CUDA path is fla's kernel wherever it imports: its output and final state against the
+    torch chunked form of the same inputs on the CPU (fp32)."""
+    from blockzoo.layers.base import Batch
+    from blockzoo_gated_delta_net.delta_rule import gated_delta_rule, uses_fla_kernel
+
+    generator = torch.Generator().manual_seed(SEED)
+    lengths, key_heads, value_heads, key_size, value_size = [70, 1, 129], 2, 4, 32, 16
+    tokens = sum(lengths)
+    q, k = (torch.randn(tokens, key_heads, key_size, generator=generator) for _ in range(2))
+    v = torch.randn(tokens, value_heads, value_size, generator=generator)
+    g = -torch.rand(tokens, value_heads, generator=generator)  # log decay in (-1, 0]
+    beta = torch.rand(tokens, value_heads, generator=generator)
+    state = torch.randn(len(lengths), value_heads, key_size, value_size, generator=generator) * initial_state
+    results = {}
+    for device in ("cpu", "cuda"):
+        inputs = [tensor.to(device) for tensor in (q, k, v, g, beta)]
+        final = state.to(device).clone()
+        with torch.no_grad():
+            assert uses_fla_kernel(*inputs) == (device == "cuda")
+            output = gated_delta_rule(*inputs, Batch(lengths, device=device), state=final)
+        results[device] = (output.cpu(), final.cpu())
+    for got, expected in zip(results["cuda"], results["cpu"]):
+        assert ((got - expected).norm() / expected.norm()).item() < OUTPUT_TOLERANCE[torch.float32]["relative"]

@@ -46,10 +46,26 @@ def fla_available() -> bool:
     return True
 
 
-def uses_fla_kernel(q: torch.Tensor) -> bool:
-    """Whether `gated_delta_rule` takes flash-linear-attention's kernel (but for one-token generation steps): CUDA
-    and fla importable."""
-    return q.is_cuda and fla_available()
+@functools.cache
+def fla_backward_refused() -> bool:
+    """Whether fla refuses the gated backward pass on this GPU: fla 0.6 raises on Hopper with Triton >= 3.4 and
+    < 3.7.1 (its issue #640: wrong results) unless tilelang is installed, which it then uses instead."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # a version without these flags has no such check
+        return False
+    no_tilelang = importlib.util.find_spec("tilelang") is None
+    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and no_tilelang)
+
+
+def uses_fla_kernel(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `gated_delta_rule` takes flash-linear-attention's kernel (but for one-token generation steps): CUDA,
+    fla importable, and, when a gradient will be wanted of `q` or `tensors`, fla's backward usable here (else the
+    torch path: on an H200 with Triton 3.6 fla 0.6 refuses it)."""
+    if not (q.is_cuda and fla_available()):
+        return False
+    wants_gradient = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (q, *tensors))
+    return not (wants_gradient and fla_backward_refused())
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +93,7 @@ def gated_delta_rule(
     """
     _check(q, k, v, g, beta, batch, state)
     one_token_steps = state is not None and batch.max_length == 1  # decoding: the recurrence itself, on any device
-    if uses_fla_kernel(q) and not one_token_steps:
+    if uses_fla_kernel(q, k, v, g, beta) and not one_token_steps:
         return _fla_gated_delta_rule(q, k, v, g, beta, batch, state)
     dtype = torch.promote_types(v.dtype, torch.float32)
     repeat = v.shape[1] // k.shape[1]
