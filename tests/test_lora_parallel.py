@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from transformer_reference import SEED, attention, block, model_data, run_data, single_process
 
+import blockzoo
+from blockzoo.checkpoint import latest_checkpoint
 from blockzoo.config import structure
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
@@ -43,6 +46,7 @@ LAYOUTS = {
     "dp2": ("gqa", {}),
     "dp2-zero3": ("gqa", {"zero_stage": 3}),
     "pp2": ("gqa", {"pipeline_parallel": 2}),
+    "pp2-base": ("gqa-base", {"pipeline_parallel": 2}),  # from a pretrained base: checkpoints of the adapters only
 }
 DATA = {
     "type": "random",
@@ -64,7 +68,11 @@ def _run_config(model: str, output_dir: Path, data_size: int = 1, **distributed)
         "log_interval": 100,
         "output_dir": str(output_dir),
     }
-    data = run_data(MODELS[model], data=DATA, training=training)
+    if model == "gqa-base":  # the base beside every run's output directory (`_save_base`)
+        data = run_data(MODELS["gqa"], data=DATA, training=training)
+        data["model"] = {"pretrained": str(output_dir.parent / "base"), "peft": MODELS["gqa"]["peft"]}
+    else:
+        data = run_data(MODELS[model], data=DATA, training=training)
     data["distributed"].update(timeout=60, **distributed)
     return structure(data, RunConfig)
 
@@ -117,8 +125,15 @@ def _check_layouts(references: dict, root: str) -> None:
             dist.barrier()
 
 
+def _save_base(directory: Path) -> None:
+    """The gqa model without its peft, with random weights: the base of the `gqa-base` runs."""
+    model = {key: value for key, value in MODELS["gqa"].items() if key != "peft"}
+    blockzoo.save(blockzoo.build(structure(run_data(model), RunConfig)), directory)
+
+
 @pytest.mark.distributed
 def test_lora_training_in_parallel_matches_single_process(tmp_path):
+    _save_base(tmp_path / "base")
     runs, references = {}, {}
     for label, (model, settings) in LAYOUTS.items():
         key = (model, _micro_batches(settings)[1])
@@ -126,3 +141,11 @@ def test_lora_training_in_parallel_matches_single_process(tmp_path):
             runs[key] = _reference(*key, tmp_path / f"reference-{key[0]}-{key[1]}")
         references[label] = runs[key]
     run_distributed(2, _check_layouts, references, str(tmp_path))
+    # The pipeline's stages wrote their adapters into one checkpoint, which loads with its base as one model.
+    last = latest_checkpoint(tmp_path / "pp2-base")
+    assert all(".adapter." in name for name in load_file(last / "model.safetensors"))
+    expected = references["pp2-base"]["weights"]
+    loaded = dict(blockzoo.load(last).named_parameters())
+    assert loaded.keys() == expected.keys()
+    for name, weight in loaded.items():
+        torch.testing.assert_close(weight, expected[name], **WEIGHT_TOLERANCE, msg=name)

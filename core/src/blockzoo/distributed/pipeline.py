@@ -48,9 +48,10 @@ from torch.distributed.pipelining import (
 
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.layers.base import Batch, slice_losses
-from blockzoo.layers.parameter import materialize, on_meta_device
+from blockzoo.layers.parameter import initialize_parameter, materialize, on_meta_device
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel, own_tokens
+from blockzoo.peft.apply import is_adapter_parameter
 
 # The name of the tied output weight's copy on the last stage (it is the first stage's embedding table).
 TIED_COPY = "embeddings.word_embeddings"
@@ -109,6 +110,11 @@ def build_pipeline_model(config: ModelConfig, distributed: Distributed) -> Langu
     if last not in stages:
         model.head = RemotePart("head", last)
     materialize(model, distributed)
+    # PEFT adapters are initialized even inside `uninitialized()` (a base checkpoint does not hold them), which
+    # `apply_peft` could not do on the meta device: here (seeded by name, the values of the single process).
+    for name, parameter in model.named_parameters():
+        if is_adapter_parameter(name) and not parameter.is_meta:
+            initialize_parameter(parameter, distributed)
     return model
 
 
