@@ -126,9 +126,9 @@ def test_the_float_fields_are_found():
 
 @pytest.mark.parametrize(("cls", "attribute", "annotation"), FLOAT_FIELDS, ids=lambda x: getattr(x, "__name__", ""))
 def test_every_float_field_refuses_non_finite_numbers(cls, attribute, annotation):
-    is_pair = typing.get_origin(annotation) is tuple
+    is_pair, is_mapping = typing.get_origin(annotation) is tuple, typing.get_origin(annotation) is dict
     for value in NON_FINITE:
-        data = {attribute.name: [0.0, value] if is_pair else value}
+        data = {attribute.name: [0.0, value] if is_pair else {"a": value} if is_mapping else value}
         try:
             structure(data, cls)
         except ConfigError as error:
