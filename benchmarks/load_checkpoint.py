@@ -6,7 +6,7 @@ tensor when it is first used, so every parameter is read once, summed, before th
 of the loaded model as a native checkpoint and as a Hugging Face directory (`format="llama"`) against transformers'
 `save_pretrained` of its loaded model.
 
-Each contender runs in a process of its own (so that its peak RSS, `getrusage`, is its own): it imports its library,
+Each contender runs in a process of its own (so that its peak RSS, VmHWM, is its own): it imports its library,
 then loads (or saves) `--repeats` times; it reports the first time (with whatever a first load does once: blockzoo
 verifies a native checkpoint's checksums once per process), the best time, its resident memory after the imports and
 its peak. Prints the seconds, the peaks and the ratios (time: transformers / blockzoo, > 1: blockzoo is faster; peak:
@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -36,13 +35,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 CONTENDERS = ("load-native", "load-hf", "load-transformers", "save-blockzoo", "save-transformers")
 
 
-def _resident_mib() -> float:
+def _status_mib(key: str) -> float:
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(key)) / 1024
+
+
+def _resident_mib() -> float:
+    return _status_mib("VmRSS")
 
 
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM, this process's own peak: getrusage's ru_maxrss keeps the parent's peak across fork and exec.
+    return _status_mib("VmHWM")
 
 
 def _sum_parameters(model) -> None:
@@ -158,7 +162,10 @@ def main() -> None:
         blockzoo.save(model, directory / "native")
         blockzoo.save(model, directory / "hf", format="llama")
         del model
-        figures = {kind: _run_child(kind, directory, arguments.repeats) for kind in CONTENDERS}
+        figures = {}
+        for kind in CONTENDERS:  # each said as it comes (a slow machine: something before a time limit)
+            figures[kind] = _run_child(kind, directory, arguments.repeats)
+            print(f"{kind}: {json.dumps(figures[kind])}", flush=True)
 
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
     print(f"{parameters / 1e6:.0f}M parameters, fp32, CPU ({threads} threads), best of {arguments.repeats}")
