@@ -31,7 +31,7 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def run_dirs(root: Path) -> list[str]:
-    return sorted(path.name for path in root.iterdir())
+    return sorted(path.name for path in root.iterdir() if path.name != "metrics.jsonl")  # (the run's metrics file)
 
 
 def flip_a_tensor_byte(path: Path) -> None:

@@ -375,7 +375,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path)
         str(caught.value)
         == f"the loss is nan at step 3; stopping, the last checkpoint ({tmp_path / 'step_2'}) is intact"
     )
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_2"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "step_2"]
     assert checkpoint_files(tmp_path / "step_2") == snapshot
     loaded = blockzoo.load(tmp_path)
     assert all(torch.isfinite(parameter).all() for parameter in loaded.parameters())
@@ -414,7 +414,7 @@ def test_checkpoints_at_the_interval_and_the_end_keeping_the_last(tmp_path):
     train(config, log=messages.append)
     saved = [message for message in messages if message.startswith("saved checkpoint")]
     assert saved == [f"saved checkpoint {tmp_path / f'step_{step}'}" for step in (2, 4, 5)]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_4", "step_5"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "step_4", "step_5"]
     assert yaml.safe_load((tmp_path / "step_5" / "metadata.yaml").read_text())["step"] == 5
 
 

@@ -126,7 +126,7 @@ def test_training_from_a_huggingface_checkpoint_exports_with_its_tokenizer(hf_di
     assert resumed.model.origin.directory == tmp_path / "run" / "step_2" / "origin"
     resumed.run()
     assert resumed.model.origin.directory == tmp_path / "run" / "step_4" / "origin"
-    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["step_4"]
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["metrics.jsonl", "step_4"]
     _check_given_back(tmp_path / "second", hf_directory)
 
 

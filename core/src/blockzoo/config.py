@@ -15,7 +15,7 @@ import contextvars
 import difflib
 import math
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -29,6 +29,8 @@ from cattrs.errors import (
     ForbiddenExtraKeysError,
     IterableValidationNote,
 )
+
+from blockzoo.errors import PluginError
 
 ConfigT = TypeVar("ConfigT", bound="Config")
 
@@ -296,11 +298,21 @@ def _is_literal(annotation: Any) -> bool:
     return typing.get_origin(annotation) is Literal
 
 
-def _registry() -> Any:
-    # Imported here: the registry loads plugins lazily and plugins import this module.
-    from blockzoo.plugins import get_registry
+# The registry of type names: `blockzoo.plugins.get_registry`, installed by that module when it is imported (the
+# `blockzoo` package imports it first), so this module imports nothing of it: no import cycle.
+_type_registry: Callable[[], Any] | None = None
 
-    return get_registry()
+
+def set_type_registry(provider: Callable[[], Any]) -> None:
+    """Install the function returning the registry that resolves polymorphic `type` names (`blockzoo.plugins`)."""
+    global _type_registry
+    _type_registry = provider
+
+
+def _registry() -> Any:
+    if _type_registry is None:
+        raise RuntimeError("no registry of config types: import blockzoo.plugins first")
+    return _type_registry()
 
 
 def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> Any:
@@ -404,8 +416,6 @@ def structure(data: Any, cls: type[ConfigT], *, source: str | None = None, root:
 
 def _reraise_plugin_error(error: BaseException) -> None:
     """A plugin that did not load (strict mode) is not a problem of this config: raise it as it is."""
-    from blockzoo.plugins import PluginError  # here: plugins imports this module
-
     if plugin_error := _find(error, PluginError):
         raise plugin_error from None
 

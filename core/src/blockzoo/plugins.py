@@ -28,7 +28,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from blockzoo.config import PolymorphicConfig, UnknownTypeError
+from blockzoo.config import PolymorphicConfig, UnknownTypeError, set_type_registry
+from blockzoo.errors import PluginError
 
 PROJECT = "blockzoo"
 ENTRY_POINT_GROUP = "blockzoo.plugins"
@@ -134,10 +135,6 @@ class PluginInfo:
     api_version: tuple[int, int] = attrs.field(default=PLUGIN_API, validator=_check_api_version)
     capabilities: tuple[str, ...] = attrs.field(default=(), validator=_check_capabilities)
     description: str = ""
-
-
-class PluginError(RuntimeError):
-    """Plugins could not be loaded as asked (strict mode, bad settings)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -644,3 +641,7 @@ def register_plugin(module: Any, name: str) -> PluginRecord:
     record = PluginRecord(name=name)
     get_registry().add_plugin(module, record)
     return record
+
+
+# Config structuring resolves `type` names through this registry; config.py imports nothing of this module.
+set_type_registry(get_registry)
