@@ -77,7 +77,7 @@ def test_listing_shows_every_plugin_and_its_status(site):
     assert incompatible["error"] == "requires blockzoo>=99, but blockzoo 0.1.0 is installed"
     one, two = plugins["dup:blockzoo-test-dup-one"], plugins["dup:blockzoo-test-dup-two"]
     assert one["conflicts"] == two["conflicts"] == ["mixer:dup.mixer"]
-    assert plugins["blockzoo:blockzoo"]["types"]["block"] == ["decoder"]
+    assert plugins["blockzoo:blockzoo"]["types"]["block"] == ["decoder", "parallel"]
     # Sorted by plugin name, so every process builds the same registry.
     assert [key.split(":")[0] for key in plugins] == sorted(key.split(":")[0] for key in plugins)
 
