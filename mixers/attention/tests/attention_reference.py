@@ -118,7 +118,7 @@ def reference_forward(layer: Attention, hidden: torch.Tensor, lengths: list[int]
     x = hidden.double()
     query = affine(layer.query, x).view(len(x), heads, size)
     key_value = affine(layer.key_value, x)
-    key = key_value[:, : groups * size].reshape(len(x), groups, size)
+    key = key_value[:, : groups * size].reshape(len(x), groups, size) * config.key_multiplier
     value = key_value[:, groups * size :].reshape(len(x), groups, size)
     documents = [index for index, length in enumerate(lengths) for _ in range(length)]
     positions = [position for length in lengths for position in range(length)]

@@ -30,6 +30,7 @@ CASES = {
         **SMALL,
         "head_groups": 1,
         "softmax_scale": 0.9,
+        "key_multiplier": 0.7,
         "rotary": {"type": "yarn", "theta": 100.0, "original_context_length": 4, "scale_factor": 4.0},
     },
     "qkv-biases-without-dense-bias-norms-nope": {
@@ -122,6 +123,7 @@ FIELD_CHANGES = {
     "causal": {"causal": False},
     "window_size": {"window_size": 2},
     "softmax_scale": {"softmax_scale": 0.5},
+    "key_multiplier": {"key_multiplier": 0.5},
     "query_norm": {"query_norm": {"type": "rms_norm"}},
     "key_norm": {"key_norm": {"type": "rms_norm"}},
     "output_gate": {"output_gate": {}},

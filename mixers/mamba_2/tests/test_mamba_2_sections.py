@@ -42,3 +42,17 @@ class TestMamba2NemotronHSectionConformance(ConverterSectionConformance):
     def config_factory(self):
         # NemotronH clamps the time step to [time_step_min, inf) and normalizes per group.
         return {**_MIXER, "dt_limit": [0.2, math.inf], "normalization": {"per_group": True, "epsilon": 1.0e-4}}
+
+
+class TestMamba2FalconH1SectionConformance(ConverterSectionConformance):
+    kind, format_name = "mixer", "falcon_h1"
+
+    def config_factory(self):
+        # Falcon-H1: per-group norm, in_proj's bias without out_proj's (two keys), the ssm_multipliers.
+        return {
+            **_MIXER,
+            "out_proj": {"bias": {"enabled": False}},
+            "dt_limit": [0.1, 4.0],
+            "normalization": {"per_group": True, "epsilon": 1.0e-4},
+            "in_proj_multipliers": {"z": 0.5, "x": 1.5, "b": 0.7, "c": 1.1, "dt": 0.9},
+        }

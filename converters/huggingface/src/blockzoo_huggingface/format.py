@@ -130,18 +130,20 @@ COMPANION_FILES = (
 class HuggingfaceFormat(CheckpointFormat):
     """One transformers architecture (`model_type`, `architecture`) as a blockzoo checkpoint format `name`.
 
-    `layout`: the layers. `model_section`: the `ModelConfig` section (model-level keys, the weights around the
-    layers). `core_sections`: the sections of the core's config classes (decoder block, normalization) in this
-    format, registered with it; the mixers' and MLPs' come from their plugins. `defaults`: transformers' values
-    of keys a config.json may omit. `default_rope_theta`: the RoPE base when a 4.x config omits it (None: no
-    RoPE). `legacy`: the format's own changes for transformers 4.x. `ignored_tensors`: tensors of old checkpoints
-    that hold nothing (regular expressions).
+    `layout`: the layers. `block_class`: the config class of every layer's block (`DecoderBlockConfig`, or
+    Falcon-H1's `ParallelBlockConfig`), converted by its section in `core_sections`. `model_section`: the
+    `ModelConfig` section (model-level keys, the weights around the layers). `core_sections`: the sections of the
+    core's config classes (decoder block, normalization) in this format, registered with it; the mixers' and MLPs'
+    come from their plugins. `defaults`: transformers' values of keys a config.json may omit. `default_rope_theta`:
+    the RoPE base when a 4.x config omits it (None: no RoPE). `legacy`: the format's own changes for transformers
+    4.x. `ignored_tensors`: tensors of old checkpoints that hold nothing (regular expressions).
     """
 
     name: str
     model_type: str
     architecture: str
     layout: Layout
+    block_class: type = DecoderBlockConfig
     model_section: Section = attrs.field(factory=transformer_model)
     core_sections: tuple[Section, ...] = attrs.field(factory=lambda: (decoder_block(), rms_norm()))
     defaults: Mapping[str, Any] = attrs.field(factory=lambda: {"rms_norm_eps": 1e-6})
@@ -189,7 +191,7 @@ class HuggingfaceFormat(CheckpointFormat):
             )
         try:
             data = import_config(self.name, self.model_section, config)
-            block = section_for(self.name, DecoderBlockConfig)
+            block = section_for(self.name, self.block_class)
             blocks = [
                 import_config(self.name, block, layer.config, types=layer.types, path=f"decoder.{index}")
                 for index, layer in enumerate(self.layout.layers(config))
@@ -215,11 +217,9 @@ class HuggingfaceFormat(CheckpointFormat):
         config = export_config(self.name, model, section=self.model_section, claimed=("decoder",))
         origins = dict.fromkeys(config, "the model")
         layers = []
-        registry = get_registry()
         for index, (_, block) in enumerate(model.decoder.expanded_blocks()):
             keys = export_config(self.name, block, path=f"decoder.{index}")
-            types = {"mixer": registry.name_of(type(block.mixer)), "mlp": registry.name_of(type(block.mlp))}
-            layers.append(Layer(types, keys))
+            layers.append(Layer(_part_types(block), keys))
         merge_keys(config, origins, self.layout.merge(layers, self.name), "the layers")
         version = versions.target_version(transformers_version)
         config.update(
@@ -290,6 +290,16 @@ class HuggingfaceFormat(CheckpointFormat):
         from blockzoo_huggingface import adapters
 
         return adapters.save_adapters(model, Path(directory), self.name, base_model=base_model)
+
+
+def _part_types(block: Any) -> dict[str, str]:
+    """The registered type of each part of a block: `mixer` and `mlp` (a decoder block's), `mixers.<name>` (a
+    parallel block's)."""
+    registry = get_registry()
+    types = {part: registry.name_of(type(getattr(block, part))) for part in ("mixer", "mlp") if hasattr(block, part)}
+    for name, mixer in getattr(block, "mixers", {}).items():
+        types[f"mixers.{name}"] = registry.name_of(type(mixer))
+    return types
 
 
 def _decoder(blocks: list[dict[str, Any]]) -> dict[str, Any]:

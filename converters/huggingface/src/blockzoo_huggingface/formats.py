@@ -11,6 +11,7 @@ from typing import Any
 from blockzoo.conversion import ConversionError, Fixed
 from blockzoo_huggingface.format import HuggingfaceFormat
 from blockzoo_huggingface.formats_deepseek import DEEPSEEK_FORMATS
+from blockzoo_huggingface.formats_falcon_h1 import FALCON_H1_FORMATS
 from blockzoo_huggingface.formats_granite import GRANITE_FORMATS
 from blockzoo_huggingface.formats_mamba import MAMBA_FORMATS
 from blockzoo_huggingface.formats_mamba2 import MAMBA2_FORMATS
@@ -90,4 +91,5 @@ FORMATS = (
     *QWEN3_NEXT_FORMATS,
     *GRANITE_FORMATS,
     *DEEPSEEK_FORMATS,
+    *FALCON_H1_FORMATS,
 )

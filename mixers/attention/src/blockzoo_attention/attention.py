@@ -238,6 +238,8 @@ class Attention(Mixer):
         query = self.query(hidden).unflatten(-1, (-1, head_size))
         key_value = self.key_value(hidden)
         key, value = (key_value[:, rows].unflatten(-1, (-1, head_size)) for rows in self._key_value_slices)
+        if self.config.key_multiplier != 1:
+            key = key * self.config.key_multiplier
         if self.query_norm is not None:
             query = self.query_norm(query)
         if self.key_norm is not None:

@@ -169,6 +169,9 @@ class AttentionConfig(MixerConfig):
     softmax_scale: float | None = field(
         None, doc="Multiplies the query·key logits. None: head_size**-0.5.", validator=greater_than(0)
     )
+    key_multiplier: float = field(
+        1.0, doc="Scales the keys as projected, before the key norm and rotary (Falcon-H1's key_multiplier)."
+    )
     query_norm: NormalizationConfig | None = field(None, doc="Normalizes each query head (before rotary).")
     key_norm: NormalizationConfig | None = field(None, doc="Normalizes each key head (before rotary).")
     output_gate: LinearConfig | None = field(

@@ -345,6 +345,9 @@ def _weights(config: AttentionConfig, norm_offset: float | None = None) -> list[
     return mappings
 
 
+# Formats without a key multiplier (all but Falcon-H1's).
+NO_KEY_MULTIPLIER = Constant("key_multiplier", 1.0)
+
 # Formats without an output gate (all but Qwen3-Next's).
 NO_OUTPUT_GATE = Constant("output_gate", None)
 
@@ -373,11 +376,13 @@ def attention_section(
     norm_offset: float | None = None,
     softmax_scale: ConfigMapping | None = None,
     head_size: ConfigMapping | None = None,
+    key_multiplier: ConfigMapping = NO_KEY_MULTIPLIER,
     extra: tuple[ConfigMapping, ...] = (),
 ) -> Section:
     """Llama-style attention (`self_attn.{q,k,v,o}_proj`, or under `name`), with the format's biases, window, head
     norms and rotary embeddings (`NO_ROTARY`: none; `partial_rotary`), its softmax scale (None: head_dim**-0.5
-    only), its head size (None: `head_dim`, else hidden / heads), and `extra` keys of its own."""
+    only), its head size (None: `head_dim`, else hidden / heads), its key multiplier (Falcon-H1's; else 1) and
+    `extra` keys of its own."""
     norms = (
         (Part("query_norm", type="rms_norm"), Part("key_norm", type="rms_norm"))
         if head_norms
@@ -401,6 +406,7 @@ def attention_section(
             Constant("causal", True),
             window,
             softmax_scale or Computed(("softmax_scale",), (), export=_softmax_scale),
+            key_multiplier,
             *(norm for norm in norms if isinstance(norm, ConfigMapping)),
             Fixed("attention_dropout", 0.0),
             Ignored(ours=("implementation",), reason="the kernel is chosen for the device, not stored"),
@@ -481,6 +487,15 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
             rotary=GRANITE_ROTARY,
             softmax_scale=GRANITE_SOFTMAX_SCALE,
             head_size=IMPLIED_HEAD_SIZE,
+        ),
+    )
+    # Falcon-H1: Llama's attention, its keys scaled by `key_multiplier`.
+    register(
+        "falcon_h1",
+        attention_section(
+            biases=all_biases("attention_bias"),
+            window=Constant("window_size", None),
+            key_multiplier=Rename("key_multiplier", "key_multiplier", default=1.0),
         ),
     )
     # The Mamba hybrids: Jamba's attention has no rotary embeddings; Apriel's "t" layers are Mistral's.

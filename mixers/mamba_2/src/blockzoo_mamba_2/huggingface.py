@@ -193,7 +193,7 @@ def _check_no_in_proj_multipliers(config: Mamba2Config) -> dict[str, Any]:
     return {}
 
 
-# The formats without per-component in_proj multipliers (all: Falcon-H1's `ssm_multipliers` is not a format yet).
+# The formats without per-component in_proj multipliers (all but Falcon-H1's).
 NO_IN_PROJ_MULTIPLIERS = Computed(
     ("in_proj_multipliers",),
     (),
@@ -209,13 +209,16 @@ def mamba_2_section(
     per_group: bool | None,
     time_step: ConfigMapping,
     head_size: ConfigMapping | None = None,
+    biases: ConfigMapping | None = None,
+    in_proj_multipliers: ConfigMapping = NO_IN_PROJ_MULTIPLIERS,
     extra: tuple[ConfigMapping, ...] = (),
 ) -> Section:
     """A Mamba 2 mixer under module `name`. `keys`: the format's key of each of heads, head_size, groups,
     state_size, kernel_size, chunk_size, bias, convolution_bias, epsilon and activation (the convolution's, only
     silu). `per_group`: how the format's gated norm takes its statistics (None: as the transformers release does).
     `time_step`: the mapping of `dt_limit`;
-    `head_size`: of `head_size`, when not a plain key."""
+    `head_size`: of `head_size`, when not a plain key; `biases`: of the projections' biases, when not one key for
+    both (`keys["bias"]`); `in_proj_multipliers`: of those multipliers (default: none in the format)."""
     return Section(
         config_class=Mamba2Config,
         name=name,
@@ -227,10 +230,10 @@ def mamba_2_section(
             Rename("chunk_size", keys["chunk_size"]),
             Rename("convolution.kernel_size", keys["kernel_size"]),
             _convolution_bias(keys["convolution_bias"]),
-            _projection_biases(keys["bias"]),
+            biases if biases is not None else _projection_biases(keys["bias"]),
             time_step,
             Constant("d_per_channel", False),
-            NO_IN_PROJ_MULTIPLIERS,
+            in_proj_multipliers,
             Rename("normalization.epsilon", keys["epsilon"]),
             _grouped_norm(per_group),
             Fixed(keys["activation"], "silu"),
@@ -319,6 +322,115 @@ SECTIONS: dict[str, Section] = {
     ),
 }
 
+
+def _falcon_head_size(data: Mapping[str, Any]) -> dict[str, Any]:
+    # As transformers: the inner size is `mamba_d_ssm`, or `mamba_expand` · hidden when null; "auto" splits it.
+    inner = data.get("mamba_d_ssm")
+    if inner is None:
+        inner = int(data.get("mamba_expand", 2) * data["hidden_size"])
+    head_size = data.get("mamba_d_head", "auto")
+    if head_size == "auto":
+        head_size = inner // data["mamba_n_heads"]
+    if head_size * data["mamba_n_heads"] != inner:
+        raise ConversionError(
+            f"`mamba_n_heads` {data['mamba_n_heads']} × `mamba_d_head` {head_size} is not the inner size {inner} "
+            "(`mamba_d_ssm`, or `mamba_expand` × `hidden_size`)"
+        )
+    return {"head_size": head_size}
+
+
+def _import_falcon_biases(data: Mapping[str, Any]) -> dict[str, Any]:
+    # in_proj's bias is `mamba_proj_bias`, out_proj's `projectors_bias` (set only where the two differ).
+    in_proj, out_proj = bool(data.get("mamba_proj_bias", False)), bool(data.get("projectors_bias", False))
+    return {"add_linear_biases": in_proj, "out_proj.bias.enabled": None if out_proj == in_proj else out_proj}
+
+
+FALCON_H1_BIASES = Computed(
+    _BIAS_FIELDS,
+    ("mamba_proj_bias", "projectors_bias"),
+    import_=_import_falcon_biases,
+    export=lambda config: {
+        "mamba_proj_bias": config.has_bias(config.z),
+        "projectors_bias": config.has_bias(config.out_proj),
+    },
+)
+
+
+def _import_falcon_multipliers(data: Mapping[str, Any]) -> dict[str, Any]:
+    multipliers = data.get("ssm_multipliers") or [1.0] * len(IN_PROJ_COMPONENTS)
+    if not isinstance(multipliers, (list, tuple)) or len(multipliers) != len(IN_PROJ_COMPONENTS):
+        raise ConversionError(f"`ssm_multipliers` must be [z, x, B, C, dt], got {multipliers!r}")
+    return {
+        "in_proj_multipliers": {
+            name: float(value) for name, value in zip(IN_PROJ_COMPONENTS, multipliers) if value != 1
+        }
+    }
+
+
+# Falcon-H1's `ssm_multipliers` (its mup_vector): in_proj's output z, x, B, C, dt each times its multiplier.
+FALCON_H1_IN_PROJ_MULTIPLIERS = Computed(
+    ("in_proj_multipliers",),
+    ("ssm_multipliers",),
+    import_=_import_falcon_multipliers,
+    export=lambda config: {
+        "ssm_multipliers": [config.in_proj_multipliers.get(name, 1.0) for name in IN_PROJ_COMPONENTS]
+    },
+)
+
+
+def _check_falcon_norm(data: Mapping[str, Any]) -> dict[str, Any]:
+    if not data.get("mamba_rms_norm", False):
+        raise ConversionError(
+            "`mamba_rms_norm` = false is not supported: blockzoo's Mamba 2 always normalizes its output (gated "
+            "RMSNorm); a Falcon-H1 without that norm (y · silu(z) straight to out_proj) cannot be expressed"
+        )
+    if data.get("mamba_norm_before_gate", True):
+        raise ConversionError(
+            "`mamba_norm_before_gate` = true is not supported: blockzoo's Mamba 2 gates before it normalizes "
+            "(norm(y · silu(z))), as Falcon-H1 with mamba_norm_before_gate false"
+        )
+    return {}
+
+
+# Falcon-H1: the gated norm must be on, and gate first (the only variant blockzoo's Mamba 2 computes).
+FALCON_H1_NORM = Computed(
+    (),
+    ("mamba_rms_norm", "mamba_norm_before_gate"),
+    import_=_check_falcon_norm,
+    export=lambda config: {"mamba_rms_norm": True, "mamba_norm_before_gate": False},
+)
+
+SECTIONS["falcon_h1"] = mamba_2_section(
+    name="mamba",
+    keys={
+        "heads": "mamba_n_heads",
+        "groups": "mamba_n_groups",
+        "state_size": "mamba_d_state",
+        "kernel_size": "mamba_d_conv",
+        "chunk_size": "mamba_chunk_size",
+        "bias": "mamba_proj_bias",
+        "convolution_bias": "mamba_conv_bias",
+        "epsilon": "rms_norm_eps",
+        "activation": "hidden_act",  # also the MLP's
+    },
+    per_group=True,  # FalconH1RMSNormGated normalizes each of the `mamba_n_groups` groups
+    time_step=_time_step_limit("time_step_limit"),
+    head_size=Computed(
+        ("head_size",),
+        ("mamba_d_head", "mamba_d_ssm"),
+        import_=_falcon_head_size,
+        export=lambda config: {"mamba_d_head": config.head_size, "mamba_d_ssm": config.heads * config.head_size},
+    ),
+    biases=FALCON_H1_BIASES,
+    in_proj_multipliers=FALCON_H1_IN_PROJ_MULTIPLIERS,
+    extra=(
+        FALCON_H1_NORM,
+        Ignored(
+            theirs=("mamba_expand",),
+            reason="read only when `mamba_d_ssm` is null; exports write the inner size as `mamba_d_ssm`",
+        ),
+    ),
+)
 
 # Granite-4.0 hybrid: Bamba's Mamba 2 layers (transformers' GraniteMoeHybridMambaLayer is BambaMixer), Bamba's keys.
 SECTIONS["granitemoehybrid"] = SECTIONS["bamba"]

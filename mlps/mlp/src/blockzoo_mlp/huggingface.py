@@ -61,19 +61,46 @@ def _weights(config: DenseMLPConfig) -> list[WeightMapping]:
     return mappings
 
 
+# The formats without MLP multipliers (all but Falcon-H1's): exporting any other value is refused.
+NO_MULTIPLIERS = (Constant("gate_multiplier", 1.0), Constant("down_multiplier", 1.0))
+
+
+def _import_falcon_multipliers(data: Mapping[str, Any]) -> dict[str, Any]:
+    multipliers = data.get("mlp_multipliers") or [1.0, 1.0]
+    if not isinstance(multipliers, (list, tuple)) or len(multipliers) != 2:
+        raise ConversionError(f"`mlp_multipliers` must be [gate, down], got {multipliers!r}")
+    return {"gate_multiplier": float(multipliers[0]), "down_multiplier": float(multipliers[1])}
+
+
+# Falcon-H1: `mlp_multipliers` = [gate, down] (the gate projection's output, the down projection's output).
+FALCON_H1_MULTIPLIERS = (
+    Computed(
+        ("gate_multiplier", "down_multiplier"),
+        ("mlp_multipliers",),
+        import_=_import_falcon_multipliers,
+        export=lambda config: {"mlp_multipliers": [config.gate_multiplier, config.down_multiplier]},
+    ),
+)
+
+
 def mlp_section(
-    *, bias: str | None = None, name: str = "mlp", gated: bool = True, activation: str = "hidden_act"
+    *,
+    bias: str | None = None,
+    name: str = "mlp",
+    gated: bool = True,
+    activation: str = "hidden_act",
+    multipliers: tuple[ConfigMapping, ...] = NO_MULTIPLIERS,
 ) -> Section:
     """A gated MLP `mlp.{gate,up,down}_proj` (or under `name`; without `gate_proj` unless `gated`) of width
-    `intermediate_size`, its activation in `activation`; biases from `bias` (a key) or none."""
+    `intermediate_size`, its activation in `activation`; biases from `bias` (a key) or none; the mappings of its
+    gate and down multipliers (`multipliers`, default: none in the format)."""
     return Section(
         config_class=DenseMLPConfig,
         name=name,
         config=(
             Rename("intermediate_size", "intermediate_size"),
             Constant("gated", gated),
-            Constant("gate_multiplier", 1.0),
-            Constant("down_multiplier", 1.0),
+            *multipliers,
             transformers_activation(activation),
             biases(bias),
         ),
@@ -97,4 +124,5 @@ def register_sections(register: Callable[[str, Section], None]) -> None:
         register(format_name, mlp_section())
     register("jamba", mlp_section(name="feed_forward"))
     register("bamba", mlp_section(bias="mlp_bias", name="feed_forward"))
+    register("falcon_h1", mlp_section(bias="mlp_bias", name="feed_forward", multipliers=FALCON_H1_MULTIPLIERS))
     register("nemotron_h", mlp_section(bias="mlp_bias", name="mixer", gated=False, activation="mlp_hidden_act"))
