@@ -1,12 +1,13 @@
 """How the Mamba 2 mixer is written in the Hugging Face formats (converter sections, see `blockzoo.conversion`).
 
-`mamba2` (Mamba2ForCausalLM, module `mixer`), `bamba` (module `mamba`, keys `mamba_*`) and `nemotron_h` (module
-`mixer`). The parameters map one to one: in_proj's rows are z, x, B, C, dt in both, heads group-major; only the
-convolution's weight changes shape ([C, K] here, Conv1d's [C, 1, K] there). What differs between the formats is
-the names of the keys and the gated norm: per group in NemotronH; in Mamba2 and Bamba over the whole inner
-dimension up to transformers 5.22 and per group since 5.23 (the same when there is one group), so those follow
-the transformers that wrote the config.json on import, and the installed one on export. The inner size (`expand`,
-read with the hidden size) is the converter's. Torch-free.
+`mamba2` (Mamba2ForCausalLM, module `mixer`), `bamba` (module `mamba`, keys `mamba_*`; Granite's the same),
+`nemotron_h` (module `mixer`) and `falcon_h1` (Bamba's keys, `mamba_d_ssm`, two bias keys, `ssm_multipliers`). The
+parameters map one to one: in_proj's rows are z, x, B, C, dt in both, heads group-major; only the convolution's
+weight changes shape ([C, K] here, Conv1d's [C, 1, K] there). What differs between the formats is the names of the
+keys and the gated norm: per group in NemotronH; in Mamba2 and Bamba over the whole inner dimension up to
+transformers 5.22 and per group since 5.23 (the same when there is one group), so those follow the transformers that
+wrote the config.json on import, and the installed one on export. The inner size (`expand`, read with the hidden
+size) is the converter's. Torch-free.
 """
 
 from __future__ import annotations
