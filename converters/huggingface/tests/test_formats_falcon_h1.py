@@ -19,6 +19,7 @@ from format_checks import (
     check_import,
     comparable,
     read_config,
+    read_tensors,
     saved_transformers_cases,
     with_config,
 )
@@ -228,3 +229,34 @@ def test_mixers_under_other_names_are_written_by_their_types(hf_directories, tmp
     from hf_cases import hf_logits, load_hf
 
     torch.testing.assert_close(hf_logits(load_hf(tmp_path / "hf")), expected, **TOLERANCE)
+
+
+def _tensor_parallel_ranks(hf_dir: str, expected_path: str, out_dir: str) -> None:
+    from safetensors.torch import load_file
+
+    from blockzoo.api import Distributed, DistributedConfig
+
+    with Distributed(DistributedConfig(tensor_parallel=2, backend="gloo")) as distributed:
+        model = blockzoo.load(hf_dir, distributed=distributed)
+        in_proj = dict(model.named_parameters())["decoder.0.mixers.mamba.in_proj.weight"]
+        assert in_proj.shape[0] * 2 == in_proj.meta.global_shape[0]  # each rank its heads and groups
+        torch.testing.assert_close(our_logits(model), load_file(expected_path)["logits"], **TOLERANCE)
+        blockzoo.save(model, out_dir, format="falcon_h1")
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_load_and_save(hf_directories, tmp_path):
+    # The in_proj multipliers apply to each rank's share of z, x, B, C, dt; saving gathers the very tensors.
+    from safetensors.torch import save_file
+
+    from blockzoo.testing.distributed import run_distributed
+
+    directory, expected = hf_directories["falcon_h1"]
+    save_file({"logits": expected}, tmp_path / "expected.safetensors")
+    run_distributed(
+        2, _tensor_parallel_ranks, str(directory), str(tmp_path / "expected.safetensors"), str(tmp_path / "out")
+    )
+    original, saved = read_tensors(directory), read_tensors(tmp_path / "out")
+    assert saved.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(saved[name], tensor), name
