@@ -370,6 +370,43 @@ def test_the_chunked_checksum_is_the_sha256_of_the_chunk_digests(tmp_path, monke
     assert blockzoo.checkpoint.file_checksum(tmp_path / "file") == hashlib.sha256(digests).hexdigest()
 
 
+def test_the_chunked_checksum_of_a_mapped_file_is_that_of_its_bytes(tmp_path):
+    # Chunks of 16 MiB (page-aligned: hashed from the map, then unmapped) and a tail; the reference: hashlib.
+    import hashlib
+
+    data = os.urandom(2 * 2**24 + 12345)
+    (tmp_path / "file").write_bytes(data)
+    digests = b"".join(hashlib.sha256(data[start : start + 2**24]).digest() for start in range(0, len(data), 2**24))
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "file") == hashlib.sha256(digests).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    empty = hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "empty") == empty
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_finiteness_check_agrees_with_isfinite(dtype):
+    # The check sums first (a finite sum proves every value finite); compared with torch.isfinite value by value,
+    # on tensors whose sum overflows though every value is finite, and on each kind of non-finite value.
+    largest = torch.finfo(dtype).max
+    cases = {
+        "random": torch.randn(1000),
+        "empty": torch.empty(0),
+        "finite, the sum overflows": torch.full((64,), largest / 4, dtype=dtype),
+        "finite, +max and -max": torch.tensor([largest, -largest, largest], dtype=dtype),
+    }
+    for position in (0, 517, 999):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            tensor = torch.randn(1000)
+            tensor[position] = value
+            cases[f"{value} at {position}"] = tensor
+    both = torch.randn(1000)
+    both[3], both[800] = float("inf"), float("-inf")
+    cases["inf and -inf"] = both
+    for what, tensor in cases.items():
+        tensor = tensor.to(dtype)
+        assert blockzoo.checkpoint._all_finite(tensor) == bool(torch.isfinite(tensor).all()), what
+
+
 def test_a_checkpoint_without_checksums_still_loads_and_refuses_another_dtype(copy):
     drop_checksums(copy)
     model = blockzoo.load(copy)
