@@ -23,7 +23,7 @@ from format_checks import (
     saved_transformers_cases,
     with_config,
 )
-from hf_cases import our_logits
+from hf_cases import TOKENS, our_logits
 from hf_cases_falcon_h1 import CASES, format_of
 
 import blockzoo
@@ -260,3 +260,18 @@ def test_tensor_parallel_load_and_save(hf_directories, tmp_path):
     assert saved.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(saved[name], tensor), name
+
+
+def test_greedy_generation_is_transformers(hf_directories):
+    # Both sides step one token at a time through their caches: attention's keys (times key_multiplier) and Mamba 2's
+    # convolution and SSM states, with every multiplier applied at each step.
+    from hf_cases import load_hf
+
+    directory, _ = hf_directories["falcon_h1"]
+    prompt = TOKENS[0, :9]
+    with torch.no_grad():
+        expected = load_hf(directory).generate(
+            prompt[None], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :]
+    (ours,) = blockzoo.load(directory).eval().generate([prompt.tolist()], max_new_tokens=8)
+    assert ours == expected.tolist()
