@@ -52,12 +52,15 @@ def install(session: nox.Session, *folders: Path, extra: str | None = "test") ->
 @nox.parametrize("distribution", [nox.param(name, id=name) for name in ["all", *distributions()]])
 def tests(session: nox.Session, distribution: str) -> None:
     """`tests(all)`: every distribution installed together, every test. `tests(<distribution>)`: that
-    distribution with the core and nothing else, its own tests: proves it declares what it needs.
+    distribution with the core and nothing else, its own tests but those marked `slow` or `distributed` (they ran
+    in `tests(all)` and import nothing the fast ones do not): proves it declares what it needs, within CI's time.
     `nox -s tests` runs them all. Tests marked `gpu` skip where CUDA is absent."""
+    selection = []
     if distribution == "all":
         folders = list(distributions().values())
         paths = [str(folder / "tests") for folder in [*folders, Path()] if (folder / "tests").is_dir()]
     else:
+        selection = ["-m", "not slow and not distributed"]
         folder = distributions()[distribution]
         # A distribution whose tests need other local distributions (the converters need the layers they convert)
         # names their folders in its pyproject.toml: [tool.blockzoo] test-with = ["mixers/attention", ...].
@@ -65,7 +68,7 @@ def tests(session: nox.Session, distribution: str) -> None:
         folders = list(dict.fromkeys([Path("core"), *map(Path, test_with.get("test-with", [])), folder]))
         paths = [str(folder / "tests")]
     install(session, *folders)
-    session.run("pytest", "-n", "auto", *paths, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
+    session.run("pytest", "-n", "auto", *paths, *selection, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
 
 
 @nox.session
