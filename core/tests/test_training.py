@@ -449,7 +449,7 @@ def test_bf16_compute_trains_with_fp32_master_weights(tmp_path):
 
 
 LOG_LINE = re.compile(
-    r"^\[[#.]{20}\] step (\d+)/4 \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \| ([\d,]+) tokens/s \| (\S+) TFLOP/s"
+    r"^step (\d+)/4 \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \| ([\d,]+) tokens/s \| (\S+) TFLOP/s"
     r"(?: \| MFU (\S+)%)?$"
 )
 
