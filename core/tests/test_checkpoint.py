@@ -519,7 +519,8 @@ def test_refuses_corrupted_tensor_files(broken, damage, name):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 16 + data[16:])
     error = refusal(broken, with_optimizer=True)
-    assert error.path == path and "corrupted or truncated safetensors file" in error.problem
+    assert error.path == path and error.problem.startswith("not a readable safetensors file (")
+    assert error.problem.endswith("): corrupted or rewritten since the checkpoint was saved")
 
 
 def test_refuses_missing_and_misshapen_tensors(broken):

@@ -133,9 +133,11 @@ def test_blockzoo_plugins_lists_the_formats_and_who_contributes_sections(capsys)
     assert main(["plugins"]) == 0
     text = capsys.readouterr().out
     huggingface = text[text.index("\nhuggingface  [loaded]") :].split("\n\n")[0]
-    assert "  formats: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, mamba, jamba" in huggingface
+    formats = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, mamba, jamba"
+    assert f"  formats: {formats}" in huggingface
     moe = text[text.index("\nmoe  [loaded]") :].split("\n\n")[0]
-    assert "  sections for: jamba, mixtral, nemotron_h, qwen2_moe, qwen3_moe" in moe
+    moe_formats = "deepseek_v3, granitemoehybrid, jamba, mixtral, nemotron_h, qwen2_moe, qwen3_moe, qwen3_next"
+    assert f"  sections for: {moe_formats}" in moe
     assert main(["plugins", "--json"]) == 0
     plugins = {plugin["name"]: plugin for plugin in json.loads(capsys.readouterr().out)["plugins"]}
     assert "nemotron_h" in plugins["huggingface"]["formats"] and "formats" not in plugins["moe"]

@@ -856,7 +856,10 @@ class _TensorFile:
             self._reader = SafetensorsReader(path)
         except ConversionError as error:
             problem = str(error).removeprefix(f"{path}: ")
-            raise CheckpointError(path, f"corrupted or truncated safetensors file: {problem}") from None
+            raise CheckpointError(
+                path,
+                f"not a readable safetensors file ({problem}): corrupted or rewritten since the checkpoint was saved",
+            ) from None
         try:
             _verify_checksum(path, metadata, self._reader.mapped_file())
         except BaseException:
