@@ -234,6 +234,21 @@ def test_found_by_the_fuzzer_a_parameter_whose_bytes_overflow():
     assert path == "model" and "parameter 'embeddings.word_embeddings' of shape [9007199254740993, 768]" in message
 
 
+def test_found_by_the_fuzzer_a_plugin_layer_is_not_blamed_for_a_parameter_the_config_makes_impossible():
+    # Once "the mlp 'mlp' of plugin 'mlp' ... failed while building: ValueError: ..." (the engine's check, a raw type).
+    from blockzoo.config import merge
+    from blockzoo.preflight import model_on_meta_device
+
+    config = structure(
+        merge(TINY, {"model": {"decoder": {"block": {"mlp": {"intermediate_size": 2**61 + 1}}}}}), RunConfig
+    )
+    with pytest.raises(ConfigError) as caught:
+        model_on_meta_device(config)
+    path, message = caught.value.errors[0]
+    assert path == "model" and message.startswith("cannot be built: parameter 'decoder.0.mlp.")
+    assert "more than 2**63 - 1 bytes" in message and "Error" not in message and "plugin" not in message
+
+
 # -- 4. wrong containers -----------------------------------------------------------------------------------------------
 
 

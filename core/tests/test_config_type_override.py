@@ -8,8 +8,13 @@ from blockzoo.config import ConfigError
 from blockzoo.data.config import EmbeddedDatasetConfig, MemmapDatasetConfig, RandomDatasetConfig
 from blockzoo.run_config import RunConfig
 
+# The block is one the core alone builds (the default mixer and MLP types come from plugins): tests(blockzoo) runs this.
 FILE = {
-    "model": {"hidden_size": 32, "embeddings": {"vocab_size": 257}},
+    "model": {
+        "hidden_size": 32,
+        "embeddings": {"vocab_size": 257},
+        "decoder": {"block": {"mixer": {"type": "none"}, "mlp": {"type": "none"}}},
+    },
     "data": {"type": "embedded", "sequence_length": 256, "micro_batch_size": 8, "num_documents": 50},
 }
 

@@ -35,13 +35,17 @@ CONFIG = {
 # (Linux clear_refs, so the imports' own peak does not hide the conversion's); prints the RSS then and the peak
 # RSS after (bytes).
 MEASURE = """
-import json, resource, sys
+import json, resource, shutil, sys
 import torch
 import blockzoo_huggingface.weights
 from blockzoo.model.factory import convert
 from blockzoo.plugins import get_registry
 get_registry()
-torch.cat([torch.empty(2, 3, device="meta").t()] * 2)
+# A first conversion imports the plugins' layers and builds the model on the meta device (tens of MB, as the installed
+# packages make it): the measured second one holds what the conversion itself holds.
+warm_up = sys.argv[2] + ".warm-up"
+convert(sys.argv[1], warm_up, **json.loads(sys.argv[3]))
+shutil.rmtree(warm_up)
 with open("/proc/self/clear_refs", "w") as file:
     file.write("5")
 before = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))

@@ -80,6 +80,7 @@ _STEP_DIRECTORY = re.compile(r"step_(\d+)")
 # (hashlib releases the GIL), about 0.25 s for 500 MB on 2 cores.
 CHECKSUM_ALGORITHM = "sha256-16MiB-chunks"
 _CHUNK = 16 * 2**20
+_CHECKSUM_PIECE = 2**20  # a multiple of the page size: each piece's pages are unmapped once hashed
 # Room for headers, YAML files and the file system's own blocks, beyond the tensors' bytes.
 _SPACE_MARGIN = 4 * 2**20
 
@@ -542,16 +543,29 @@ def _chunked_checksum(data: Any, unmap: mmap.mmap | None) -> str:
     size = len(data)
 
     def chunk(index: int) -> bytes:
-        begin = index * _CHUNK
-        digest = hashlib.sha256(data[begin : begin + _CHUNK]).digest()
-        if unmap is not None and hasattr(mmap, "MADV_DONTNEED") and begin % mmap.PAGESIZE == 0:
-            unmap.madvise(mmap.MADV_DONTNEED, begin, min(_CHUNK, size - begin))
-        return digest
+        # Fed to the hash a mapped piece at a time, each piece's pages unmapped once hashed: a thread holds a piece,
+        # not its whole chunk, of the file in memory (the digest is the chunk's all the same).
+        digest = hashlib.sha256()
+        chunk_end = min((index + 1) * _CHUNK, size)
+        for begin in range(index * _CHUNK, chunk_end, _CHECKSUM_PIECE):
+            end = min(begin + _CHECKSUM_PIECE, chunk_end)
+            digest.update(data[begin:end])
+            if unmap is not None and hasattr(mmap, "MADV_DONTNEED") and begin % mmap.PAGESIZE == 0:
+                unmap.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        return digest.digest()
 
     count = max(1, -(-size // _CHUNK))
-    with ThreadPoolExecutor(min(count, os.cpu_count() or 1, 8)) as pool:
+    with ThreadPoolExecutor(min(count, usable_cpus(), 8)) as pool:
         digests = list(pool.map(chunk, range(count)))
     return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 class NonFiniteError(CheckpointError):

@@ -79,6 +79,11 @@ def on_meta_device(enabled: bool = True) -> Iterator[None]:
         _on_meta_device.reset(token)
 
 
+class ParameterShapeError(ValueError):
+    """A parameter's shape that the config's sizes make impossible (a dimension the tensor-parallel ranks cannot
+    split, more bytes than a tensor can hold): the config's problem, whichever layer asked for the parameter."""
+
+
 @attrs.frozen(kw_only=True)
 class ParameterMeta:
     """What a parameter is, beyond its values.
@@ -196,10 +201,10 @@ def create_parameter(
     try:
         local_shape = tuple(dim.local_size(distributed.tensor_size) for dim in dims)
     except ValueError as error:
-        raise ValueError(f"parameter {name!r}: {error}") from None
+        raise ParameterShapeError(f"parameter {name!r}: {error}") from None
     # torch cannot index storage beyond 2**63 - 1 bytes (a config's huge sizes): say which parameter, not "overflowed".
     if math.prod(dim.global_size for dim in dims) * torch.get_default_dtype().itemsize > 2**63 - 1:
-        raise ValueError(
+        raise ParameterShapeError(
             f"parameter {name!r} of shape {[dim.global_size for dim in dims]} takes more than 2**63 - 1 bytes, "
             "more than a tensor can hold"
         )

@@ -15,7 +15,7 @@ from torch import nn
 from blockzoo.config import ConfigError
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layer_errors import locate_layer_failure
-from blockzoo.layers.parameter import on_meta_device
+from blockzoo.layers.parameter import ParameterShapeError, on_meta_device
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
 
@@ -31,6 +31,8 @@ def meta_model(config: ModelConfig, distributed: Distributed) -> nn.Module:
     try:
         with on_meta_device():
             return LanguageModel(config, distributed)
+    except ParameterShapeError as error:  # the config's sizes, whichever layer asked: no plugin is to blame
+        raise ConfigError([("model", f"cannot be built: {error}")]) from None
     except (ValueError, RuntimeError) as error:
         failure = locate_layer_failure(error)  # a plugin's layer: named, with its path and where it raised
         raise ConfigError([("model", f"cannot be built: {failure.message() if failure else error}")]) from None
