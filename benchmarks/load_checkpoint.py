@@ -6,7 +6,8 @@ tensor when it is first used, so every parameter is read once, summed, before th
 of the loaded model as a native checkpoint and as a Hugging Face directory (`format="llama"`) against transformers'
 `save_pretrained` of its loaded model, alone and followed by an fsync of every file it wrote: blockzoo's saves are
 durable (synced before they are renamed into place), transformers' leaves its bytes in the page cache, so on a slow
-disk the second row is the like-for-like one.
+disk the second row is the like-for-like one; and the export with `durable=False` (`blockzoo convert --no-fsync`),
+unsynced like `save_pretrained`.
 
 Each contender runs in a process of its own (so that its peak RSS, VmHWM, is its own): it imports its library,
 then loads (or saves) `--repeats` times; it reports the first time (with whatever a first load does once: blockzoo
@@ -120,6 +121,8 @@ def _child(kind: str, directory: Path, repeats: int) -> dict:
             else:
                 timed("save native", blockzoo.save, model, target / "native")
                 timed("save hf", blockzoo.save, model, target / "hf", format="llama")
+                shutil.rmtree(target / "hf")
+                timed("save hf unsynced", blockzoo.save, model, target / "hf", format="llama", durable=False)
             shutil.rmtree(target)
     figures["peak_mib"] = _peak_mib()
     return figures
@@ -183,13 +186,14 @@ def main() -> None:
 
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
     print(f"{parameters / 1e6:.0f}M parameters, fp32, CPU ({threads} threads), best of {arguments.repeats}")
-    print(f"{'contender':<44} {'first s':>8} {'best s':>8} {'imports MiB':>12} {'peak MiB':>9}")
+    print(f"{'contender':<46} {'first s':>8} {'best s':>8} {'imports MiB':>12} {'peak MiB':>9}")
     rows = [
         ("blockzoo.load(native checkpoint)", "load-native", "load"),
         ("blockzoo.load(Hugging Face directory)", "load-hf", "load"),
         ("transformers from_pretrained(same directory)", "load-transformers", "load"),
         ("blockzoo.save(native checkpoint)", "save-blockzoo", "save native"),
         ("blockzoo.save(format='llama')", "save-blockzoo", "save hf"),
+        ("blockzoo.save(format='llama', durable=False)", "save-blockzoo", "save hf unsynced"),
         ("transformers save_pretrained", "save-transformers", "save"),
         ("transformers save_pretrained + fsync", "save-transformers", "save synced"),
     ]
@@ -198,7 +202,7 @@ def main() -> None:
         times = figures[kind]["times"][key]
         best[label] = min(times)
         print(
-            f"{label:<44} {times[0]:>8.2f} {min(times):>8.2f} {figures[kind]['after_imports_mib']:>12.0f} "
+            f"{label:<46} {times[0]:>8.2f} {min(times):>8.2f} {figures[kind]['after_imports_mib']:>12.0f} "
             f"{figures[kind]['peak_mib']:>9.0f}"
         )
     theirs = best["transformers from_pretrained(same directory)"]
@@ -209,10 +213,13 @@ def main() -> None:
             f"load, {label}: time ratio (transformers / blockzoo) {theirs / ours:.2f}, peak RSS ratio (blockzoo / "
             f"transformers) {figures[kind]['peak_mib'] / peak:.2f}"
         )
-    for theirs_label in ("transformers save_pretrained", "transformers save_pretrained + fsync"):
-        saved = best[theirs_label]
-        for label in ("blockzoo.save(native checkpoint)", "blockzoo.save(format='llama')"):
-            print(f"save, {label}: time ratio ({theirs_label} / blockzoo) {saved / best[label]:.2f}")
+    durable = ("blockzoo.save(native checkpoint)", "blockzoo.save(format='llama')")
+    comparisons = [("transformers save_pretrained + fsync", label) for label in durable]
+    comparisons += [
+        ("transformers save_pretrained", label) for label in (*durable, "blockzoo.save(format='llama', durable=False)")
+    ]
+    for theirs_label, label in comparisons:
+        print(f"save, {label}: time ratio ({theirs_label} / blockzoo) {best[theirs_label] / best[label]:.2f}")
     print(
         "save peak RSS ratio (blockzoo / transformers, load + saves): "
         f"{figures['save-blockzoo']['peak_mib'] / figures['save-transformers']['peak_mib']:.2f}"

@@ -174,7 +174,9 @@ class SafetensorsWriter:
     The header is written first and the file sized; each `write` puts a tensor at its place. Use as a context
     manager: leaving it checks that every tensor of `writes` (default: all) was written (unless an error is on its
     way out). With `create=False` the file, made by another writer of the same `tensors` and `metadata` (another
-    process), is opened to write `writes` into it: several processes fill one file, each its own tensors.
+    process), is opened to write `writes` into it: several processes fill one file, each its own tensors. With
+    `durable=False` the bytes are left in the page cache when the file closes (no fsync, no early writeback): about
+    twice as fast on a slow disk, and lost, or torn, if the machine crashes before the kernel writes them.
     """
 
     def __init__(
@@ -185,8 +187,10 @@ class SafetensorsWriter:
         *,
         create: bool = True,
         writes: Iterable[str] | None = None,
+        durable: bool = True,
     ):
         self.path = Path(path)
+        self.durable = durable
         self._layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
         header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
@@ -231,7 +235,8 @@ class SafetensorsWriter:
         self._file.flush()
         # The disk starts writing these bytes now, while the caller prepares the next tensor: the fsync of `close`
         # then waits for the last ones only, not for the whole file (measured: benchmarks/RESULTS.md).
-        _start_writeback(self._file.fileno(), self._data_start + offset, data.numel())
+        if self.durable:
+            _start_writeback(self._file.fileno(), self._data_start + offset, data.numel())
         self._remaining.discard(name)
 
     def __enter__(self) -> SafetensorsWriter:
@@ -240,15 +245,16 @@ class SafetensorsWriter:
     def __exit__(self, error_type: type | None, *_: object) -> None:
         self.close(complete=error_type is None)
 
-    def close(self, *, complete: bool = True, sync: bool = True) -> None:
-        """Close the file; when `complete`, first check that every tensor was written and (with `sync`) flush it to
-        the disk. `sync=False`: the caller fsyncs the file itself later (and must, before relying on it)."""
+    def close(self, *, complete: bool = True, sync: bool | None = None) -> None:
+        """Close the file; when `complete`, first check that every tensor was written and (with `sync`, by default
+        when the writer is durable) flush it to the disk. `sync=False` on a durable writer: the caller fsyncs the file
+        itself later (and must, before relying on it)."""
         try:
             if complete:
                 if self._remaining:
                     raise ConversionError(f"{self.path}: tensors never written: {', '.join(sorted(self._remaining))}")
                 self._file.flush()
-                if sync:
+                if self.durable if sync is None else sync:
                     os.fsync(self._file.fileno())
         finally:
             self._file.close()

@@ -182,8 +182,10 @@ def write_index(directory: Path, weight_map: Mapping[str, str], total_size: int)
     write_json(directory / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)})
 
 
-def open_writer(path: Path, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> SafetensorsWriter:
-    return SafetensorsWriter(path, tensors, SAFETENSORS_METADATA)
+def open_writer(
+    path: Path, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], *, durable: bool = True
+) -> SafetensorsWriter:
+    return SafetensorsWriter(path, tensors, SAFETENSORS_METADATA, durable=durable)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

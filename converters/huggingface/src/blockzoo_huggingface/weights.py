@@ -196,6 +196,7 @@ def save(
     dtype: str | None = None,
     transformers_version: str | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    durable: bool = True,
 ) -> Path:
     """Write `model`; every rank calls it (split parameters are gathered), rank 0 writes."""
     distributed = model.distributed
@@ -206,7 +207,7 @@ def save(
         return parameter.meta.local_to_global(parameter.detach(), distributed.tensor_group, distributed.data_group)
 
     shapes = {name: tuple(parameter.meta.global_shape) for name, parameter in parameters.items()}
-    options = {"dtype_name": dtype, "transformers_version": transformers_version, "max_shard_size": max_shard_size}
+    options = _export_options(dtype, transformers_version, max_shard_size, durable)
     write(fmt, directory, model.config, shapes, read, writes=distributed.rank == 0, origin=model.origin, **options)
     return directory
 
@@ -219,6 +220,7 @@ def export_checkpoint(
     dtype: str | None = None,
     transformers_version: str | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    durable: bool = True,
 ) -> Path:
     """Write the native checkpoint in `source`, reading its weights one tensor at a time."""
     data = read_checkpoint_config(source)
@@ -228,9 +230,21 @@ def export_checkpoint(
         found = {name: reader.shape(name) for name in reader.names}
         if found != expected:
             raise ConversionError(f"{source / MODEL_FILE}: {_difference(found, expected)}")
-        options = {"dtype_name": dtype, "transformers_version": transformers_version, "max_shard_size": max_shard_size}
+        options = _export_options(dtype, transformers_version, max_shard_size, durable)
         write(fmt, destination, model, expected, reader.read, writes=True, origin=read_origin(source), **options)
     return destination
+
+
+def _export_options(
+    dtype: str | None, transformers_version: str | None, max_shard_size: int, durable: bool
+) -> dict[str, Any]:
+    """`write`'s options from those of `save` and `export_checkpoint`."""
+    return {
+        "dtype_name": dtype,
+        "transformers_version": transformers_version,
+        "max_shard_size": max_shard_size,
+        "durable": durable,
+    }
 
 
 def write(
@@ -243,12 +257,15 @@ def write(
     dtype_name: str | None,
     transformers_version: str | None,
     max_shard_size: int,
+    durable: bool,
     writes: bool,
     origin: Origin | None,
 ) -> None:
     """config.json, then the shards in mapping order, each mapping's tensors in one shard. `read(name)`: a
     parameter's global tensor; `writes`: this process writes (the others only take part in `read`); `origin`: the
-    files of the checkpoint the model was imported from, written back (config.json's keys that no field holds)."""
+    files of the checkpoint the model was imported from, written back (config.json's keys that no field holds);
+    `durable`: each shard is fsynced before the directory is renamed into place (else left in the page cache, as
+    transformers' `save_pretrained` leaves its files)."""
     # Everything that can refuse is checked first, on every rank, before any rank gathers a tensor.
     files.check_new_directory(destination)
     dtype = _dtype(dtype_name)
@@ -269,7 +286,11 @@ def write(
         weight_map: dict[str, str] = {}
         for shard, file_name in zip(shards, names):
             layout = {name: (dtype, shape) for index in shard for name, shape in outputs[index].items()}
-            with files.open_writer(directory / file_name, layout) if directory else contextlib.nullcontext() as writer:
+            with (
+                files.open_writer(directory / file_name, layout, durable=durable)
+                if directory
+                else contextlib.nullcontext() as writer
+            ):
                 for index in shard:
                     mapping = mappings[index]
                     tensors = mapping.export_tensors([read(name) for name in mapping.ours])
