@@ -209,6 +209,18 @@ def test_gated_rms_norm_through_the_fused_kernel(dtype, group_size, gated):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_rms_norm_before_the_gate_through_the_fused_kernel(dtype):
+    generator = torch.Generator().manual_seed(4)
+    x, gate = torch.randn(2, 300, 256, generator=generator)
+    weight = 1 + 0.1 * torch.randn(256, generator=generator)
+
+    def norm(x, gate, weight, device):
+        return gated_rms_norm(x, gate, weight, epsilon=1e-5, group_size=64, norm_before_gate=True)
+
+    _compare_on_cuda(norm, (x, gate, weight), dtype, {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_causal_conv1d_on_cuda(dtype):
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(sum(LENGTHS), 96, generator=generator)

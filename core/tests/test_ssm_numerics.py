@@ -368,6 +368,25 @@ def test_gated_rms_norm_matches_the_per_group_formula(group_size, gated):
     torch.testing.assert_close(y, reference_norm(x, gate, weight, epsilon=1e-3, group_size=group_size))
 
 
+@pytest.mark.parametrize("group_size", [12, 4])
+def test_gated_rms_norm_before_the_gate_matches_the_formula(group_size):
+    # norm_before_gate: RMSNorm(x) · weight, then · silu(gate) (mamba_ssm's and Falcon-H1's order).
+    generator = _generator()
+    x, gate = torch.randn(2, 5, 12, generator=generator, dtype=F64)
+    weight = torch.randn(12, generator=generator, dtype=F64)
+    y = gated_rms_norm(x, gate, weight, epsilon=1e-3, group_size=group_size, norm_before_gate=True)
+    expected = reference_norm(x, None, weight, epsilon=1e-3, group_size=group_size) * F.silu(gate)
+    torch.testing.assert_close(y, expected)
+    assert torch.autograd.gradcheck(
+        lambda x, gate, weight: gated_rms_norm(x, gate, weight, epsilon=1e-5, group_size=3, norm_before_gate=True),
+        (
+            x[:3, :6].clone().requires_grad_(),
+            gate[:3, :6].clone().requires_grad_(),
+            weight[:6].clone().requires_grad_(),
+        ),
+    )
+
+
 def test_gated_rms_norm_epsilon_and_dtype():
     generator = _generator()
     x, gate = torch.randn(2, 5, 8, generator=generator, dtype=F64) * 0.1

@@ -26,8 +26,8 @@ _FALCON_H1 = {
     "mamba_conv_bias": False,  # True
     "mamba_proj_bias": True,  # False
     "projectors_bias": False,  # False: in_proj's bias without out_proj's
-    "mamba_rms_norm": True,  # False (refused: blockzoo's Mamba 2 always has its gated norm)
-    "mamba_norm_before_gate": False,  # True (refused: blockzoo gates, then normalizes)
+    "mamba_rms_norm": True,  # False (no norm: the case falcon_h1-no-mamba-norm)
+    "mamba_norm_before_gate": False,  # True (normalize, then gate: the case falcon_h1-norm-before-gate)
     "time_step_limit": (0.3, 0.9),  # (0, inf)
     "rms_norm_eps": 1e-4,  # 1e-5
     "tie_word_embeddings": True,  # False
@@ -56,6 +56,19 @@ CASES = {
             "mamba_n_groups": 1,
             "tie_word_embeddings": False,
         },
+    ),
+    # No output norm (transformers' default): y · silu(z) straight to out_proj, no norm weight in the checkpoint.
+    # `mamba_norm_before_gate` keeps its default (true), which transformers reads only with the norm.
+    "falcon_h1-no-mamba-norm": (
+        "falcon_h1",
+        "FalconH1Config",
+        {**_FALCON_H1, "mamba_rms_norm": False, "mamba_norm_before_gate": True},
+    ),
+    # The norm first, then the gate: RMSNorm(y) · weight · silu(z) (FalconH1RMSNormGated's default order).
+    "falcon_h1-norm-before-gate": (
+        "falcon_h1",
+        "FalconH1Config",
+        {**_FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": True},
     ),
 }
 

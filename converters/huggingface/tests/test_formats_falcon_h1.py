@@ -1,6 +1,6 @@
 """The Falcon-H1 format (falcon_h1) against transformers itself: import, export, both round trips, a transformers 4.x
-config, every μP multiplier mapped to its own field (and each one showing in the logits), and what cannot be
-converted.
+config, every μP multiplier mapped to its own field (and each one showing in the logits), the Mamba output norm's
+variants (none, normalize then gate), and what cannot be converted.
 
 Each case is a tiny random transformers model whose mapped fields are all away from their defaults
 (hf_cases_falcon_h1.py); mamba_ssm is not importable here, so transformers runs its Mamba's torch path.
@@ -162,8 +162,6 @@ def test_every_field_of_every_converted_config_class_is_claimed():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"mamba_rms_norm": False}, "`mamba_rms_norm` = false is not supported"),
-        ({"mamba_norm_before_gate": True}, "`mamba_norm_before_gate` = true is not supported"),
         ({"mamba_d_head": 5}, r"`mamba_n_heads` 6 × `mamba_d_head` 5 is not the inner size 48"),
         ({"ssm_multipliers": [1.0, 2.0]}, r"`ssm_multipliers` must be \[z, x, B, C, dt\]"),
         ({"mlp_multipliers": [1.0]}, r"`mlp_multipliers` must be \[gate, down\]"),
@@ -176,12 +174,60 @@ def test_what_falcon_h1_cannot_express_is_refused_on_import(change, message, hf_
         blockzoo.load(copy)
 
 
-def test_a_config_without_mamba_rms_norm_is_refused(hf_directories, tmp_path):
-    # transformers' default is false: a config.json that omits the key means no norm.
-    directory, _ = hf_directories["falcon_h1"]
-    config = {key: value for key, value in read_config(directory).items() if key != "mamba_rms_norm"}
-    with pytest.raises(ConversionError, match="mamba_rms_norm"):
-        blockzoo.load(with_config(directory, tmp_path / "default", config))
+def test_the_mamba_norm_variants_map_to_their_fields(hf_directories):
+    norms = {
+        case: blockzoo.load(hf_directories[case][0]).config.decoder.block.mixers["mamba"].normalization
+        for case in CASES
+    }
+    assert (norms["falcon_h1"].enabled, norms["falcon_h1"].norm_before_gate) == (True, False)
+    assert (norms["falcon_h1-norm-before-gate"].enabled, norms["falcon_h1-norm-before-gate"].norm_before_gate) == (
+        True,
+        True,
+    )
+    assert not norms["falcon_h1-no-mamba-norm"].enabled
+    # No norm, no weight: the checkpoint has none and neither has our model.
+    directory = hf_directories["falcon_h1-no-mamba-norm"][0]
+    assert not any("mamba.norm" in name for name in read_tensors(directory))
+    assert not any(
+        "normalization" in name for name in blockzoo.load(directory).state_dict() if ".mixers.mamba." in name
+    )
+
+
+@pytest.mark.parametrize("case", ["falcon_h1", "falcon_h1-norm-before-gate"])
+def test_the_norm_order_shows_in_the_logits(case, hf_directories):
+    # The other order on the same weights gives other logits: the oracle tests see which order is computed.
+    directory, expected = hf_directories[case]
+    model = blockzoo.load(directory)
+    block = model.config.decoder.block
+    norm = block.mixers["mamba"].normalization
+    flipped = _mixer(block, "mamba", normalization=attrs.evolve(norm, norm_before_gate=not norm.norm_before_gate))
+    other = blockzoo.build(
+        {"model": to_dict(attrs.evolve(model.config, decoder=attrs.evolve(model.config.decoder, block=flipped)))}
+    )
+    other.load_state_dict(model.state_dict())
+    assert not torch.allclose(our_logits(other), expected, **TOLERANCE)
+
+
+def test_a_config_without_the_norm_keys_means_no_norm(hf_directories, tmp_path):
+    # transformers' defaults: `mamba_rms_norm` false (no norm), `mamba_norm_before_gate` true (read only with a norm).
+    directory, expected = hf_directories["falcon_h1-no-mamba-norm"]
+    keys = ("mamba_rms_norm", "mamba_norm_before_gate")
+    config = {key: value for key, value in read_config(directory).items() if key not in keys}
+    model = blockzoo.load(with_config(directory, tmp_path / "default", config))
+    assert model.config == blockzoo.load(directory).config
+    torch.testing.assert_close(our_logits(model), expected, **TOLERANCE)
+
+
+def test_without_the_norm_the_order_is_written_as_transformers_default(hf_directories, tmp_path):
+    # mamba_norm_before_gate false without a norm is the same model: it imports alike and is written as true.
+    directory, expected = hf_directories["falcon_h1-no-mamba-norm"]
+    changed = with_config(directory, tmp_path / "false", {**read_config(directory), "mamba_norm_before_gate": False})
+    model = blockzoo.load(changed)
+    assert model.config == blockzoo.load(directory).config
+    torch.testing.assert_close(our_logits(model), expected, **TOLERANCE)
+    blockzoo.save(model, tmp_path / "hf", format="falcon_h1")
+    config = read_config(tmp_path / "hf")
+    assert (config["mamba_rms_norm"], config["mamba_norm_before_gate"]) == (False, True)
 
 
 def test_what_falcon_h1_cannot_express_is_refused_on_export(hf_directories, tmp_path):

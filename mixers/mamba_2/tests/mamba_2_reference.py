@@ -1,7 +1,8 @@
 """An independent float64 reference of the Mamba 2 mixer, written from the definitions, for the tests.
 
 Nothing here comes from the package but the config classes and the layer's parameters: the convolution, the
-recurrence (one token at a time), the skip, the gated norm and the projections are computed again with loops.
+recurrence (one token at a time), the skip, the gated norm (each variant) and the projections are computed again
+with loops.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _silu(value: torch.Tensor) -> torch.Tensor:
     return value / (1 + torch.exp(-value))
 
 
+def _rms_norm(config: Mamba2Config, value: torch.Tensor) -> torch.Tensor:
+    """RMSNorm without weight over each group of the norm's channels (all of them unless per group)."""
+    norm = config.normalization
+    group_size = config.inner_size // config.groups if norm.per_group else config.inner_size
+    return torch.cat([part / math.sqrt(float((part**2).mean()) + norm.epsilon) for part in value.split(group_size)])
+
+
 def reference_forward(layer: Mamba2, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """The layer's output from its (global, single-process) parameters, one token at a time, in float64."""
     config: Mamba2Config = layer.config
@@ -55,7 +63,8 @@ def reference_forward(layer: Mamba2, hidden: torch.Tensor, lengths: list[int]) -
     z_all, xbc_all, dt_all = projected.split([inner, inner + 2 * groups * state_size, heads], dim=-1)
     filters, filter_bias = _value(layer.convolution.weight), _value(layer.convolution.bias)
     dt_bias, a, d = _value(layer.dt_bias), -torch.exp(_value(layer.a_log)), _value(layer.d)
-    norm_weight = _value(layer.normalization.weight)
+    norm = config.normalization
+    norm_weight = _value(layer.normalization.weight) if norm.enabled else None
     low, high = config.dt_limit
 
     outputs = []
@@ -79,14 +88,13 @@ def reference_forward(layer: Mamba2, hidden: torch.Tensor, lengths: list[int]) -
                 state[head] = math.exp(dt * float(a[head])) * state[head] + dt * torch.outer(x[head], b[group])
                 skip = d[head * size : (head + 1) * size] if config.d_per_channel else d[head]
                 y[head] = state[head] @ c[group] + skip * x[head]
-            gated = y.flatten() * _silu(z_all[token])
-            group_size = inner // groups if config.normalization.per_group else inner
-            normalized = torch.cat(
-                [
-                    part / math.sqrt(float((part**2).mean()) + config.normalization.epsilon)
-                    for part in gated.split(group_size)
-                ]
-            )
-            outputs.append(affine(layer.out_proj, normalized * norm_weight))
+            gate = _silu(z_all[token])
+            if not norm.enabled:  # y · silu(z)
+                output = y.flatten() * gate
+            elif norm.norm_before_gate:  # RMSNorm(y) · weight · silu(z)
+                output = _rms_norm(config, y.flatten()) * norm_weight * gate
+            else:  # RMSNorm(y · silu(z)) · weight
+                output = _rms_norm(config, y.flatten() * gate) * norm_weight
+            outputs.append(affine(layer.out_proj, output))
         start += length
     return torch.stack(outputs)

@@ -53,6 +53,14 @@ CASES = {
     },
     "one-group-one-chunk-default-dt": {**SMALL, "chunk_size": 256, "groups": 1, "d": AROUND_ONE},
     "a-group-per-head-kernel-size-one": {**SMALL, **LARGE_DT, "groups": 4, "convolution": {"kernel_size": 1}},
+    # The output norm's variants (Falcon-H1): normalize y, then gate; no norm at all.
+    "norm-before-gate": {
+        **SMALL,
+        **LARGE_DT,
+        "groups": 2,
+        "normalization": {"norm_before_gate": True, "weight": AROUND_ONE, "epsilon": 0.1},
+    },
+    "no-norm": {**SMALL, **LARGE_DT, "groups": 2, "normalization": {"enabled": False}},
 }
 
 
@@ -76,7 +84,7 @@ def test_packed_documents_equal_separate_runs(case):
         "dt_bias",
         "a_log",
         "d",
-        "normalization.weight",
+        *(["normalization.weight"] if layer.config.normalization.enabled else []),  # no norm, no weight
         "out_proj.weight",
     }
     check_packed_documents(
@@ -120,7 +128,14 @@ def test_default_initializations():
 
 
 @pytest.mark.parametrize(
-    "case", ["groups-per-group-norm", "biases-dt-limit-no-conv-bias", "a-group-per-head-kernel-size-one"]
+    "case",
+    [
+        "groups-per-group-norm",
+        "biases-dt-limit-no-conv-bias",
+        "a-group-per-head-kernel-size-one",
+        "norm-before-gate",
+        "no-norm",
+    ],
 )
 def test_generation_state_equals_the_full_forward(case):
     layer = build(CASES[case])
@@ -184,6 +199,8 @@ NESTED_CHANGES = {
     ("convolution", "weight"): {"weight": {"initialization": {"type": "normal"}}},
     ("convolution", "bias"): {"bias": {"enabled": False}},
     ("convolution", "lr_scale"): {"lr_scale": 0.5},
+    ("normalization", "enabled"): {"enabled": False},
+    ("normalization", "norm_before_gate"): {"norm_before_gate": True},
     ("normalization", "epsilon"): {"epsilon": 10.0},
     ("normalization", "per_group"): {"per_group": False},
     ("normalization", "weight"): {"weight": {"lr_scale": 0.5}},

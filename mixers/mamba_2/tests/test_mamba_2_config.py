@@ -29,6 +29,7 @@ def test_defaults_follow_mamba_ssm():
     assert config.convolution.kernel_size == 4 and config.convolution.has_bias
     assert config.dt_limit == (0.0, math.inf) and not config.d_per_channel
     assert config.normalization.epsilon == 1e-5 and config.normalization.per_group
+    assert config.normalization.enabled and not config.normalization.norm_before_gate  # RMSNorm(y · silu(z))
     assert not any(config.has_bias(getattr(config, name)) for name in ("z", "x", "b", "c", "dt", "out_proj"))
 
 
@@ -65,6 +66,10 @@ def test_conv_bias_does_not_follow_add_linear_biases():
         ({"dt_limit": [-1, 1]}, r"dt_limit: must be \[min, max\] with 0 <= min < max"),
         ({"dt_limit": [0.1]}, "dt_limit: expected a list of 2 numbers, got 1"),
         ({"normalization": {"epsilon": -1}}, "normalization.epsilon: must be >= 0"),
+        (
+            {"normalization": {"enabled": False, "norm_before_gate": True}},
+            r"normalization\.norm_before_gate: true orders a norm and the gate, but there is no norm",
+        ),
         ({"x": {"bias": {"enabled": True}}}, r"x.bias.enabled: z, x, b, c and dt are one fused in_proj weight"),
         ({"add_linear_biases": True, "dt": {"bias": {"enabled": False}}}, "dt.bias.enabled: z, x, b, c and dt are one"),
         ({"d_has_hdim": True}, "d_has_hdim: unknown key"),
@@ -87,6 +92,8 @@ def test_check_tensor_parallel():
         structure({}).check_tensor_parallel(2)
     with pytest.raises(configs.ConfigFieldError, match="false normalizes over the whole inner dimension"):
         structure({"groups": 2, "normalization": {"per_group": False}}).check_tensor_parallel(2)
+    # Without a norm there are no statistics to split.
+    structure({"groups": 2, "normalization": {"enabled": False, "per_group": False}}).check_tensor_parallel(2)
 
 
 def _run_config(mixer: dict, **distributed) -> dict:

@@ -1,7 +1,7 @@
 """The Mamba 2 mixer on CUDA (the SSD scan through mamba_ssm's Triton kernels when installed, the time step computed
 inside it; the convolution through blockzoo's Triton kernels) against the same mixer on the CPU path in fp32:
 outputs and gradients over packed documents, and bf16 within a loose tolerance; decoding on CUDA (the state path)
-against the full forward (the kernel path). Run on a GPU machine (skipped without CUDA).
+against the full forward (the kernel path); each output-norm variant. Run on a GPU machine (skipped without CUDA).
 
 Tolerances are relative errors ‖x − reference‖ / ‖reference‖ (those of core/tests/test_ssm_gpu.py): fp32 5e-3 for
 outputs and 1e-2 for gradients (mamba_ssm's kernels multiply fp32 in TF32, about 1e-3 each), bf16 3e-2 and 5e-2
@@ -49,6 +49,23 @@ CASES = {
         "chunk_size": 16,
         "convolution": {"kernel_size": 3, "bias": {"enabled": False}},
     },
+    # The output norm's variants: normalize, then gate (mamba_ssm's fused norm with norm_before_gate); no norm.
+    "norm-before-gate": {
+        "heads": 8,
+        "head_size": 16,
+        "groups": 2,
+        "state_size": 16,
+        "chunk_size": 32,
+        "normalization": {"norm_before_gate": True, "weight": AROUND_ONE},
+    },
+    "no-norm": {
+        "heads": 8,
+        "head_size": 16,
+        "groups": 2,
+        "state_size": 16,
+        "chunk_size": 32,
+        "normalization": {"enabled": False},
+    },
 }
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 5e-3}, torch.bfloat16: {"relative": 3e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-2}, torch.bfloat16: {"relative": 5e-2}}
@@ -82,8 +99,9 @@ def test_cuda_slices_equal_the_whole_forward(case):
         check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
 
 
-def test_cuda_decoding_equals_the_full_forward():
-    layer = build(CASES["groups-per-group-norm"], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+@pytest.mark.parametrize("case", ["groups-per-group-norm", "norm-before-gate", "no-norm"])
+def test_cuda_decoding_equals_the_full_forward(case):
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
     check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
 
 

@@ -1,6 +1,6 @@
 """Tensor-parallel and sequence-tensor-parallel Mamba 2 equal the single-process run (outputs and gradients), and so
-does tensor-parallel decoding: the conformance kit's `check_tensor_parallel`, on one and two groups per rank, in one
-set of two gloo processes. Groups the ranks do not divide are refused."""
+does tensor-parallel decoding: the conformance kit's `check_tensor_parallel`, on one and two groups per rank and the
+output norm's variants, in one set of two gloo processes. Groups the ranks do not divide are refused."""
 
 import pytest
 from mamba_2_reference import AROUND_ONE, RANDOM, SEED
@@ -36,6 +36,26 @@ CASES = {
         "d_per_channel": True,
         "d": RANDOM,
         "dt_limit": [0.1, 2.0],
+    },
+    # The output norm's variants: normalize, then gate (per-group statistics, as the gated norm); no norm, where
+    # per_group false splits nothing (there are no statistics).
+    "norm-before-gate": {
+        "heads": 4,
+        "head_size": 4,
+        "groups": 2,
+        "state_size": 3,
+        "chunk_size": 4,
+        **LARGE_DT,
+        "normalization": {"norm_before_gate": True, "weight": AROUND_ONE},
+    },
+    "no-norm": {
+        "heads": 4,
+        "head_size": 4,
+        "groups": 2,
+        "state_size": 3,
+        "chunk_size": 4,
+        **LARGE_DT,
+        "normalization": {"enabled": False, "per_group": False},
     },
 }
 REFUSED = [

@@ -9,8 +9,10 @@ into the residual, then `pre_ff_layernorm` and the MLP (`feed_forward`). The μP
 `in_proj_multipliers` over z, x, B, C, dt: transformers' mup_vector) and `mlp_multipliers` (the MLP's gate and down
 multipliers). The mixers' and the MLP's keys are their plugins' sections; this module has the block and the model.
 
-Refused (by the Mamba 2 section): `mamba_rms_norm` false, transformers' default (blockzoo's Mamba 2 always has its
-gated norm), and `mamba_norm_before_gate` true (it gates, then normalizes).
+Mamba 2's output norm (by the Mamba 2 section): `mamba_rms_norm` false, transformers' default, is no norm and no
+norm weight (`normalization.enabled: false`); true with `mamba_norm_before_gate` true normalizes, then gates
+(`normalization.norm_before_gate: true`), as transformers' torch path computes them. Refused: a `residual_multiplier`
+other than 1, a block of other mixers than one attention and one mamba_2.
 """
 
 from __future__ import annotations

@@ -138,13 +138,19 @@ def mamba_chunk_scan(
 
 
 def mamba_gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, *, epsilon: float, group_size: int
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    *,
+    epsilon: float,
+    group_size: int,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
     """`gated_rms_norm` through mamba_ssm's fused Triton kernel (forward and backward, statistics in fp32)."""
     import_mamba_ssm()
     from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
 
-    return rmsnorm_fn(x, weight, None, z=gate, eps=epsilon, group_size=group_size, norm_before_gate=False)
+    return rmsnorm_fn(x, weight, None, z=gate, eps=epsilon, group_size=group_size, norm_before_gate=norm_before_gate)
 
 
 @functools.cache

@@ -32,8 +32,21 @@ IN_PROJ_COMPONENTS = ("z", "x", "b", "c", "dt")
 
 @configclass
 class GatedNormalizationConfig(Config):
-    """RMSNorm of the scan's output y gated by z: RMSNorm(y · silu(z)) · weight (mamba_ssm `norm_before_gate=False`)."""
+    """The scan's output y gated by z and normalized: RMSNorm(y · silu(z)) · weight by default (mamba_ssm
+    `norm_before_gate=False`), RMSNorm(y) · weight · silu(z) with `norm_before_gate`, or no norm at all, y · silu(z),
+    with `enabled: false` (Falcon-H1's `mamba_rms_norm: false`)."""
 
+    enabled: bool = field(
+        True,
+        doc="false: no norm and no weight, y · silu(z) goes to out_proj (Falcon-H1 `mamba_rms_norm: false`); "
+        "epsilon, per_group, weight and lr_scale then have no effect.",
+    )
+    norm_before_gate: bool = field(
+        False,
+        doc="true: normalize y, then gate, RMSNorm(y) · weight · silu(z) (mamba_ssm and Falcon-H1 "
+        "`norm_before_gate`); false: gate, then normalize, RMSNorm(y · silu(z)) · weight (mamba_ssm `Mamba2`, HF "
+        "`Mamba2`, NemotronH, Bamba). Needs `enabled`.",
+    )
     epsilon: float = field(
         1.0e-5, doc="Added to the mean square (mamba_ssm 1e-5, HF `layer_norm_epsilon`).", validator=at_least(0)
     )
@@ -50,6 +63,13 @@ class GatedNormalizationConfig(Config):
         None, doc="Multiplies the mixer's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
 
+    def __attrs_post_init__(self) -> None:
+        check(
+            self.enabled or not self.norm_before_gate,
+            "norm_before_gate",
+            "true orders a norm and the gate, but there is no norm (enabled is false)",
+        )
+
 
 def _in_proj_doc(role: str) -> str:
     return f"The rows of the fused input projection `in_proj` computing {role}. Bias default: `add_linear_biases`."
@@ -58,7 +78,7 @@ def _in_proj_doc(role: str) -> str:
 @configclass
 class Mamba2Config(MixerConfig):
     """Mamba 2 (SSD): in_proj → [z, x, B, C, dt]; causal conv + silu over x‖B‖C; dt = clamp(softplus(dt + dt_bias));
-    the SSD scan with A = -exp(A_log) per head; + D·x; RMSNorm(y · silu(z)); out_proj.
+    the SSD scan with A = -exp(A_log) per head; + D·x; RMSNorm(y · silu(z)) (or a variant: `normalization`); out_proj.
 
     Head h reads B/C group h // (heads / groups). The inner dimension is heads · head_size, independent of the
     hidden size (mamba_ssm: expand · d_model = nheads · headdim).
@@ -119,7 +139,7 @@ class Mamba2Config(MixerConfig):
         False, doc="D has one value per channel of each head (mamba_ssm `D_has_hdim`) instead of one per head."
     )
     normalization: GatedNormalizationConfig = field(
-        factory=GatedNormalizationConfig, doc="The gated RMSNorm of the scan's output."
+        factory=GatedNormalizationConfig, doc="The gated RMSNorm of the scan's output (or the gate alone)."
     )
     in_proj_multipliers: dict[str, float] = field(
         factory=dict,
@@ -157,7 +177,8 @@ class Mamba2Config(MixerConfig):
                 f"tensor_parallel={tensor_parallel} must divide groups ({self.groups}): heads are split between "
                 "ranks with their B/C groups (raise groups, as mamba_ssm requires too)",
             )
-        if tensor_parallel > 1 and not self.normalization.per_group:
+        # Without a norm there are no statistics to split.
+        if tensor_parallel > 1 and self.normalization.enabled and not self.normalization.per_group:
             raise ConfigFieldError(
                 "normalization.per_group",
                 f"false normalizes over the whole inner dimension, which tensor_parallel={tensor_parallel} splits "

@@ -6,8 +6,10 @@ parameters map one to one: in_proj's rows are z, x, B, C, dt in both, heads grou
 weight changes shape ([C, K] here, Conv1d's [C, 1, K] there). What differs between the formats is the names of the
 keys and the gated norm: per group in NemotronH; in Mamba2 and Bamba over the whole inner dimension up to
 transformers 5.22 and per group since 5.23 (the same when there is one group), so those follow the transformers that
-wrote the config.json on import, and the installed one on export. The inner size (`expand`, read with the hidden
-size) is the converter's. Torch-free.
+wrote the config.json on import, and the installed one on export. Only Falcon-H1 has the norm's variants
+(`mamba_rms_norm`, `mamba_norm_before_gate`); the other formats always gate, then normalize, and refuse to write a
+model without its norm or normalizing first. The inner size (`expand`, read with the hidden size) is the converter's.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ def _grouped_norm(per_group: bool | None) -> ConfigMapping:
 
     def export(config: Mamba2Config) -> dict[str, Any]:
         grouped = per_group if per_group is not None else transformers_norm_is_per_group(None)
-        if config.normalization.per_group != grouped and config.groups > 1:
+        normalization = config.normalization
+        if normalization.enabled and normalization.per_group != grouped and config.groups > 1:
             where = "per group" if grouped else "over the whole inner dimension"
             raise ConversionError(
                 f"`normalization.per_group` = {config.normalization.per_group} with {config.groups} groups cannot be "
@@ -171,9 +174,10 @@ def _weights(config: Mamba2Config) -> list[WeightMapping]:
         Weight("dt_bias", "dt_bias"),
         Weight("a_log", "A_log"),
         Weight("d", "D"),
-        Weight("normalization.weight", "norm.weight"),
         Weight("out_proj.weight", "out_proj.weight"),
     ]
+    if config.normalization.enabled:  # without a norm there is no weight (transformers: nn.Identity)
+        mappings.append(Weight("normalization.weight", "norm.weight"))
     if config.has_bias(config.z):
         mappings.append(Weight("in_proj.bias", "in_proj.bias"))
     if config.convolution.has_bias:
@@ -203,6 +207,10 @@ NO_IN_PROJ_MULTIPLIERS = Computed(
 )
 
 
+# The formats whose transformers model always gates, then normalizes (all but Falcon-H1's).
+GATE_THEN_NORM = (Constant("normalization.enabled", True), Constant("normalization.norm_before_gate", False))
+
+
 def mamba_2_section(
     *,
     name: str,
@@ -212,6 +220,7 @@ def mamba_2_section(
     head_size: ConfigMapping | None = None,
     biases: ConfigMapping | None = None,
     in_proj_multipliers: ConfigMapping = NO_IN_PROJ_MULTIPLIERS,
+    norm_variant: tuple[ConfigMapping, ...] = GATE_THEN_NORM,
     extra: tuple[ConfigMapping, ...] = (),
 ) -> Section:
     """A Mamba 2 mixer under module `name`. `keys`: the format's key of each of heads, head_size, groups,
@@ -219,7 +228,9 @@ def mamba_2_section(
     silu). `per_group`: how the format's gated norm takes its statistics (None: as the transformers release does).
     `time_step`: the mapping of `dt_limit`;
     `head_size`: of `head_size`, when not a plain key; `biases`: of the projections' biases, when not one key for
-    both (`keys["bias"]`); `in_proj_multipliers`: of those multipliers (default: none in the format)."""
+    both (`keys["bias"]`); `in_proj_multipliers`: of those multipliers (default: none in the format);
+    `norm_variant`: of `normalization.enabled` and `norm_before_gate` (default: the format always gates, then
+    normalizes)."""
     return Section(
         config_class=Mamba2Config,
         name=name,
@@ -237,6 +248,7 @@ def mamba_2_section(
             in_proj_multipliers,
             Rename("normalization.epsilon", keys["epsilon"]),
             _grouped_norm(per_group),
+            *norm_variant,
             Fixed(keys["activation"], "silu"),
             *extra,
         ),
@@ -379,26 +391,30 @@ FALCON_H1_IN_PROJ_MULTIPLIERS = Computed(
 )
 
 
-def _check_falcon_norm(data: Mapping[str, Any]) -> dict[str, Any]:
-    if not data.get("mamba_rms_norm", False):
-        raise ConversionError(
-            "`mamba_rms_norm` = false is not supported: blockzoo's Mamba 2 always normalizes its output (gated "
-            "RMSNorm); a Falcon-H1 without that norm (y · silu(z) straight to out_proj) cannot be expressed"
-        )
-    if data.get("mamba_norm_before_gate", True):
-        raise ConversionError(
-            "`mamba_norm_before_gate` = true is not supported: blockzoo's Mamba 2 gates before it normalizes "
-            "(norm(y · silu(z))), as Falcon-H1 with mamba_norm_before_gate false"
-        )
-    return {}
+def _import_falcon_norm(data: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers' defaults: no norm (`mamba_rms_norm` false), normalize first (`mamba_norm_before_gate` true).
+    # Without the norm the order means nothing (transformers' torch path computes y · silu(z)).
+    enabled = bool(data.get("mamba_rms_norm", False))
+    before = bool(data.get("mamba_norm_before_gate", True))
+    return {"normalization.enabled": enabled, "normalization.norm_before_gate": enabled and before}
 
 
-# Falcon-H1: the gated norm must be on, and gate first (the only variant blockzoo's Mamba 2 computes).
-FALCON_H1_NORM = Computed(
-    (),
-    ("mamba_rms_norm", "mamba_norm_before_gate"),
-    import_=_check_falcon_norm,
-    export=lambda config: {"mamba_rms_norm": True, "mamba_norm_before_gate": False},
+def _export_falcon_norm(config: Mamba2Config) -> dict[str, Any]:
+    enabled = config.normalization.enabled
+    # Without a norm, `mamba_norm_before_gate` is written as transformers' default (it reads it only with a norm).
+    return {"mamba_rms_norm": enabled, "mamba_norm_before_gate": config.normalization.norm_before_gate or not enabled}
+
+
+# Falcon-H1's output norm: `mamba_rms_norm` ↔ `normalization.enabled`, `mamba_norm_before_gate` ↔ its
+# `norm_before_gate`, as FalconH1RMSNormGated and the mixer's torch path compute them (see docs/huggingface.md: the
+# CUDA training path of transformers passes norm_before_gate=False to its fused kernel whatever the config says).
+FALCON_H1_NORM = (
+    Computed(
+        ("normalization.enabled", "normalization.norm_before_gate"),
+        ("mamba_rms_norm", "mamba_norm_before_gate"),
+        import_=_import_falcon_norm,
+        export=_export_falcon_norm,
+    ),
 )
 
 SECTIONS["falcon_h1"] = mamba_2_section(
@@ -424,8 +440,8 @@ SECTIONS["falcon_h1"] = mamba_2_section(
     ),
     biases=FALCON_H1_BIASES,
     in_proj_multipliers=FALCON_H1_IN_PROJ_MULTIPLIERS,
+    norm_variant=FALCON_H1_NORM,
     extra=(
-        FALCON_H1_NORM,
         Ignored(
             theirs=("mamba_expand",),
             reason="read only when `mamba_d_ssm` is null; exports write the inner size as `mamba_d_ssm`",

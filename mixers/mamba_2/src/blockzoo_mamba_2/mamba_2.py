@@ -2,6 +2,8 @@
 
 in_proj → [z, x, B, C, dt]; causal depthwise convolution + silu over x‖B‖C; dt = clamp(softplus(dt + dt_bias));
 y = SSD scan of x with A = -exp(A_log), B, C; y += D·x; y = RMSNorm(y · silu(z)) · weight; out_proj(y).
+The output norm has two variants (`GatedNormalizationConfig`): RMSNorm(y) · weight · silu(z) (`norm_before_gate`) and
+none, y · silu(z) (`enabled: false`, no weight).
 The numerics (convolution, scan, gated norm) are `blockzoo.ssm`'s; this module holds the parameters and the layout.
 
 Tensor-parallel layout: heads are laid out group-major (head h reads B/C group h // (heads / groups)), so splitting
@@ -14,6 +16,7 @@ scatters its output, so the convolution and the scan always see every token of t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockzoo.api import (
@@ -53,7 +56,8 @@ class Mamba2State:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm(y · silu(z)) · weight, statistics over groups of `group_size` channels."""
+    """RMSNorm(y · silu(z)) · weight, or RMSNorm(y) · weight · silu(z) with `norm_before_gate`; statistics over
+    groups of `group_size` channels."""
 
     def __init__(
         self,
@@ -69,11 +73,19 @@ class GatedRMSNorm(nn.Module):
         lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
         self.epsilon = config.epsilon
         self.group_size = group_size
+        self.norm_before_gate = config.norm_before_gate
         settings = config.weight.resolve(initialization=ONES, lr_scale=lr_scale, weight_decay=False)
         self.weight = create_parameter(f"{name}.weight", (channels,), settings, distributed)
 
     def forward(self, input: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(input, gate, self.weight, epsilon=self.epsilon, group_size=self.group_size)
+        return gated_rms_norm(
+            input,
+            gate,
+            self.weight,
+            epsilon=self.epsilon,
+            group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate,
+        )
 
 
 class Mamba2(Mixer):
@@ -134,13 +146,18 @@ class Mamba2(Mixer):
         self.dt_bias = self._head_parameter("dt_bias", config.dt_bias, DtBiasInitializationConfig(), heads_dim)
         self.a_log = self._head_parameter("a_log", config.a_log, ALogRangeInitializationConfig(), heads_dim)
         self.d = self._head_parameter("d", config.d, ONES, inner_dim if config.d_per_channel else heads_dim)
-        self.normalization = GatedRMSNorm(
-            config.normalization,
-            name=f"{name}.normalization",
-            channels=inner_dim,
-            group_size=config.norm_group_size,
-            distributed=distributed,
-            lr_scale=lr_scale,
+        # No norm (Falcon-H1's `mamba_rms_norm: false`): no module, no weight; `_output` gates y by z alone.
+        self.normalization = (
+            GatedRMSNorm(
+                config.normalization,
+                name=f"{name}.normalization",
+                channels=inner_dim,
+                group_size=config.norm_group_size,
+                distributed=distributed,
+                lr_scale=lr_scale,
+            )
+            if config.normalization.enabled
+            else None
         )
         self.out_proj = Linear(f"{name}.out_proj", config.out_proj, inner_dim, hidden_dim, **linear)
 
@@ -158,7 +175,7 @@ class Mamba2(Mixer):
         y = ssd_scan(
             *self._scan_inputs(xbc, dt), batch, **self._scan_options(), state=None if state is None else state.ssm
         )
-        return self.out_proj(self.normalization(y.flatten(1), z))
+        return self._output(y, z)
 
     def forward_slice(
         self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
@@ -170,7 +187,7 @@ class Mamba2(Mixer):
         z, xbc, dt = self._project(hidden)
         xbc, convolution = self.convolution.forward_slice(xbc, batch, previous_inputs, activation="silu")
         y, ssm = ssd_scan_slice(*self._scan_inputs(xbc, dt), batch, previous_state, **self._scan_options())
-        return self.out_proj(self.normalization(y.flatten(1), z)), SSMCarry(convolution, ssm)
+        return self._output(y, z), SSMCarry(convolution, ssm)
 
     def _project(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """[z, x‖B‖C, dt]: views of in_proj's output, never copied on CUDA (the kernels read strided rows); one
@@ -181,6 +198,11 @@ class Mamba2(Mixer):
             scale = torch.cat([projected.new_full((size,), value) for size, value in self._in_proj_scale])
             projected = projected * scale
         return projected.split(self._in_proj_sizes, dim=-1)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj of the scan's output `[tokens, heads, head_size]` gated by z and normalized (or only gated)."""
+        y = y.flatten(1)
+        return self.out_proj(y * F.silu(z) if self.normalization is None else self.normalization(y, z))
 
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x, dt, A, B, C) of the scan; A = -exp(A_log) in fp32 whatever the compute dtype."""
