@@ -308,12 +308,14 @@ def test_tensor_parallel_load_and_save(hf_directories, tmp_path):
         assert torch.equal(saved[name], tensor), name
 
 
-def test_greedy_generation_is_transformers(hf_directories):
+@pytest.mark.parametrize("case", ["falcon_h1", "falcon_h1-no-mamba-norm", "falcon_h1-norm-before-gate"])
+def test_greedy_generation_is_transformers(case, hf_directories):
     # Both sides step one token at a time through their caches: attention's keys (times key_multiplier) and Mamba 2's
-    # convolution and SSM states, with every multiplier applied at each step.
+    # convolution and SSM states, with every multiplier applied at each step (and each output-norm variant: without
+    # the norm transformers' step gates y by z inside its state update).
     from hf_cases import load_hf
 
-    directory, _ = hf_directories["falcon_h1"]
+    directory, _ = hf_directories[case]
     prompt = TOKENS[0, :9]
     with torch.no_grad():
         expected = load_hf(directory).generate(
