@@ -218,6 +218,21 @@ def test_a_config_without_the_norm_keys_means_no_norm(hf_directories, tmp_path):
     torch.testing.assert_close(our_logits(model), expected, **TOLERANCE)
 
 
+def test_without_the_norm_its_epsilon_is_not_written(hf_directories, tmp_path):
+    # `rms_norm_eps` is the Mamba norm's and the model's norms': without the Mamba norm only theirs is written.
+    directory, expected = hf_directories["falcon_h1-no-mamba-norm"]
+    model = blockzoo.load(directory)
+    block = model.config.decoder.block
+    norm = block.mixers["mamba"].normalization
+    changed = _mixer(block, "mamba", normalization=attrs.evolve(norm, epsilon=0.5))
+    config = attrs.evolve(model.config, decoder=attrs.evolve(model.config.decoder, block=changed))
+    other = blockzoo.build({"model": to_dict(config)})
+    other.load_state_dict(model.state_dict())
+    blockzoo.save(other, tmp_path / "hf", format="falcon_h1")
+    assert read_config(tmp_path / "hf")["rms_norm_eps"] == read_config(directory)["rms_norm_eps"]
+    torch.testing.assert_close(our_logits(blockzoo.load(tmp_path / "hf")), expected, **TOLERANCE)
+
+
 def test_without_the_norm_the_order_is_written_as_transformers_default(hf_directories, tmp_path):
     # mamba_norm_before_gate false without a norm is the same model: it imports alike and is written as true.
     directory, expected = hf_directories["falcon_h1-no-mamba-norm"]

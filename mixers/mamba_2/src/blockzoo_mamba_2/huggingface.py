@@ -221,6 +221,7 @@ def mamba_2_section(
     biases: ConfigMapping | None = None,
     in_proj_multipliers: ConfigMapping = NO_IN_PROJ_MULTIPLIERS,
     norm_variant: tuple[ConfigMapping, ...] = GATE_THEN_NORM,
+    epsilon: ConfigMapping | None = None,
     extra: tuple[ConfigMapping, ...] = (),
 ) -> Section:
     """A Mamba 2 mixer under module `name`. `keys`: the format's key of each of heads, head_size, groups,
@@ -230,7 +231,7 @@ def mamba_2_section(
     `head_size`: of `head_size`, when not a plain key; `biases`: of the projections' biases, when not one key for
     both (`keys["bias"]`); `in_proj_multipliers`: of those multipliers (default: none in the format);
     `norm_variant`: of `normalization.enabled` and `norm_before_gate` (default: the format always gates, then
-    normalizes)."""
+    normalizes); `epsilon`: of the norm's epsilon, when not a plain key (`keys["epsilon"]`)."""
     return Section(
         config_class=Mamba2Config,
         name=name,
@@ -246,7 +247,7 @@ def mamba_2_section(
             time_step,
             Constant("d_per_channel", False),
             in_proj_multipliers,
-            Rename("normalization.epsilon", keys["epsilon"]),
+            epsilon if epsilon is not None else Rename("normalization.epsilon", keys["epsilon"]),
             _grouped_norm(per_group),
             *norm_variant,
             Fixed(keys["activation"], "silu"),
@@ -417,6 +418,23 @@ FALCON_H1_NORM = (
     ),
 )
 
+
+def _import_falcon_epsilon(data: Mapping[str, Any]) -> dict[str, Any]:
+    # Without the norm `rms_norm_eps` is only the model's norms' (the Mamba field keeps its default).
+    if not data.get("mamba_rms_norm", False) or "rms_norm_eps" not in data:
+        return {}
+    return {"normalization.epsilon": data["rms_norm_eps"]}
+
+
+# The norm's epsilon is `rms_norm_eps`, shared with the model's norms; a model without the Mamba norm writes only
+# theirs (its unused epsilon cannot conflict with them).
+FALCON_H1_EPSILON = Computed(
+    ("normalization.epsilon",),
+    ("rms_norm_eps",),
+    import_=_import_falcon_epsilon,
+    export=lambda config: {"rms_norm_eps": config.normalization.epsilon} if config.normalization.enabled else {},
+)
+
 SECTIONS["falcon_h1"] = mamba_2_section(
     name="mamba",
     keys={
@@ -441,6 +459,7 @@ SECTIONS["falcon_h1"] = mamba_2_section(
     biases=FALCON_H1_BIASES,
     in_proj_multipliers=FALCON_H1_IN_PROJ_MULTIPLIERS,
     norm_variant=FALCON_H1_NORM,
+    epsilon=FALCON_H1_EPSILON,
     extra=(
         Ignored(
             theirs=("mamba_expand",),
