@@ -63,6 +63,7 @@ from blockzoo.layers.config import (
     ParameterConfig,
     ResolvedParameter,
     UniformInitializationConfig,
+    check_fused_biases,
     default_activation,
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
@@ -133,6 +134,7 @@ __all__ = [
     "ResolvedParameter",
     "at_least",
     "check",
+    "check_fused_biases",
     "configclass",
     "field",
     "greater_than",

@@ -51,7 +51,7 @@ def test_add_linear_biases_sets_each_default():
         ({"causal": False, "window_size": 4}, "window_size: a sliding window needs causal attention"),
         ({"head_size": 7}, "head_size: rotary embeddings rotate pairs of dims: head_size must be even, got 7"),
         ({"softmax_scale": 0.0}, "softmax_scale: must be > 0"),
-        ({"key": {"bias": {"enabled": True}}}, "value.bias.enabled: key and value share one concatenated weight"),
+        ({"key": {"bias": {"enabled": True}}}, "value.bias.enabled: key and value are one fused key_value weight"),
         ({"implementation": "flash"}, "implementation: expected one of 'auto', 'torch', 'varlen', 'batched', 'flex'"),
         ({"rotary": {"type": "yarn", "scale_factor": -1}}, "rotary.scale_factor: must be > 0"),
         ({"query_norm": {"type": "batch_norm"}}, "query_norm.type: unknown normalization type 'batch_norm'"),

@@ -54,8 +54,8 @@ class _Holder(Config):
         ({"activation": "gelu"}, "activation: expected one of 'identity', 'silu'"),
         (
             {"dt": {"bias": {"enabled": True}}},
-            "x.bias.enabled: x, b, c, z and dt are rows of one fused in_proj and must all have a bias or none, got "
-            "x: False, b: False, c: False, z: False, dt: True",
+            r"dt.bias.enabled: x, b, c, z and dt are one fused in_proj weight: all have a bias or none "
+            r"\(x: False, b: False, c: False, z: False, dt: True\)",
         ),
         ({"d": {"lr_scale": -1}}, r"d.lr_scale: must be >= 0"),
         ({"n_qk_heads": 4}, "n_qk_heads: unknown key"),

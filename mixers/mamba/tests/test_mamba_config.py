@@ -52,7 +52,7 @@ def test_defaults_follow_mamba_ssm():
         ({"dt_proj": {"weight": {"initialization": {}}}, "dt_init": "constant"}, "dt_init: dt_proj.weight.initial"),
         ({"dt_scale": 0.0}, "dt_scale: must be > 0"),
         ({"dt_init": "zeros"}, "dt_init: expected one of 'random', 'constant'"),
-        ({"z": {"bias": {"enabled": True}}}, r"z\.bias\.enabled: x, z are one fused in_proj weight"),
+        ({"z": {"bias": {"enabled": True}}}, r"z\.bias\.enabled: x and z are one fused in_proj weight"),
         ({"xb_size": 16, "add_linear_biases": True, "c": {"bias": {"enabled": False}}}, r"c\.bias\.enabled: z, x, b"),
         ({"convolution": {"kernel_size": 0}}, r"convolution\.kernel_size: must be >= 1, got 0"),
         ({"b_norm": {"type": "batch_norm"}}, r"b_norm\.type: unknown normalization type 'batch_norm'"),

@@ -9,6 +9,7 @@ Torch-free: the layers that use these live beside this module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import attrs
@@ -119,14 +120,34 @@ class LinearConfig(Config):
     def resolve_weight(self, *, initialization: InitializationConfig, lr_scale: float = 1.0) -> ResolvedParameter:
         return self.weight.resolve(initialization=initialization, lr_scale=self.scaled(lr_scale))
 
+    def has_bias(self, default: bool) -> bool:
+        """Whether this linear has a bias: its `bias.enabled`, else `default` (the parent's `add_linear_biases`)."""
+        return default if self.bias.enabled is None else self.bias.enabled
+
     def resolve_bias(self, *, enabled: bool, lr_scale: float = 1.0) -> ResolvedParameter | None:
-        """The bias settings, or None when this linear has no bias."""
-        if not (enabled if self.bias.enabled is None else self.bias.enabled):
+        """The bias settings, or None when this linear has no bias (`enabled`: the parent's default)."""
+        if not self.has_bias(enabled):
             return None
         return self.bias.resolve(initialization=ZEROS, lr_scale=self.scaled(lr_scale), weight_decay=False)
 
     def use_peft(self, default: bool) -> bool:
         return default if self.apply_peft is None else self.apply_peft
+
+
+def check_fused_biases(components: Mapping[str, LinearConfig], default: bool, *, weight: str = "in_proj") -> None:
+    """The components of one fused weight (their configs by field name, in row order) all have a bias or none, since
+    the weight has one bias for all its rows or none: else a `ConfigFieldError` at the first component that differs
+    from the first, listing each one's. `default`: the parent's `add_linear_biases`."""
+    biases = {name: linear.has_bias(default) for name, linear in components.items()}
+    names = list(biases)
+    listed = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    for name in names[1:]:
+        check(
+            biases[name] == biases[names[0]],
+            f"{name}.bias.enabled",
+            f"{listed} are one fused {weight} weight: all have a bias or none "
+            f"({', '.join(f'{key}: {value}' for key, value in biases.items())})",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

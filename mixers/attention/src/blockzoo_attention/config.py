@@ -22,6 +22,7 @@ from blockzoo.api import (
     PolymorphicConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
     greater_than,
@@ -212,13 +213,7 @@ class AttentionConfig(MixerConfig):
                 "rotary.fraction",
                 f"rotates int(fraction · head_size) = {turning} channels of each head: must be a positive even number",
             )
-        key_bias, value_bias = (self.has_bias(self.key), self.has_bias(self.value))
-        check(
-            key_bias == value_bias,
-            "value.bias.enabled",
-            f"key and value share one concatenated weight and must both have a bias or neither "
-            f"(key: {key_bias}, value: {value_bias})",
-        )
+        check_fused_biases({"key": self.key, "value": self.value}, self.add_linear_biases, weight="key_value")
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         # Head groups are split when the ranks divide them; otherwise the heads of each group are.
@@ -247,4 +242,4 @@ class AttentionConfig(MixerConfig):
         return self.head_size**-0.5 if self.softmax_scale is None else self.softmax_scale
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)

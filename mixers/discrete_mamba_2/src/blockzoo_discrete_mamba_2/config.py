@@ -19,6 +19,7 @@ from blockzoo.api import (
     ParameterConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
 )
@@ -99,13 +100,7 @@ class DiscreteMamba2Config(MixerConfig):
         groups = self.resolved_groups
         check(groups <= self.heads, "groups", f"must be <= heads ({self.heads}), got {groups}")
         check(self.heads % groups == 0, "groups", f"must divide heads ({self.heads}), got {groups}")
-        biases = {name: self.has_bias(getattr(self, name)) for name in self.IN_PROJ_COMPONENTS}
-        check(
-            len(set(biases.values())) == 1,
-            "x.bias.enabled",
-            "x, b, c, z and dt are rows of one fused in_proj and must all have a bias or none, got "
-            + ", ".join(f"{name}: {enabled}" for name, enabled in biases.items()),
-        )
+        check_fused_biases({name: getattr(self, name) for name in self.IN_PROJ_COMPONENTS}, self.add_linear_biases)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         if self.resolved_groups % tensor_parallel:
@@ -128,4 +123,4 @@ class DiscreteMamba2Config(MixerConfig):
         return self.has_bias(self.x)
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)

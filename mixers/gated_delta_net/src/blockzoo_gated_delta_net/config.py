@@ -19,6 +19,7 @@ from blockzoo.api import (
     ParameterConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
 )
@@ -120,14 +121,7 @@ class GatedDeltaNetConfig(MixerConfig):
             "value_heads",
             f"must be a multiple of key_heads ({self.key_heads}), got {self.value_heads}",
         )
-        biases = {name: self.has_bias(getattr(self, name)) for name in IN_PROJ_COMPONENTS}
-        for name in IN_PROJ_COMPONENTS[1:]:
-            check(
-                biases[name] == biases["q"],
-                f"{name}.bias.enabled",
-                "q, k, v, z, b and a are one fused in_proj weight: all have a bias or none "
-                f"({', '.join(f'{key}: {value}' for key, value in biases.items())})",
-            )
+        check_fused_biases({name: getattr(self, name) for name in IN_PROJ_COMPONENTS}, self.add_linear_biases)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         if self.key_heads % tensor_parallel:
@@ -151,4 +145,4 @@ class GatedDeltaNetConfig(MixerConfig):
         return self.convolution.bias.enabled is True
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)

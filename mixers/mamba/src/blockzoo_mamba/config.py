@@ -26,6 +26,7 @@ from blockzoo.api import (
     ParameterConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
     greater_than,
@@ -178,15 +179,7 @@ class MambaConfig(MixerConfig):
         if self.dt_proj.weight.initialization is not None:
             check(self.dt_init == "random", "dt_init", "dt_proj.weight.initialization is given: it replaces dt_init")
             check(self.dt_scale == 1.0, "dt_scale", "dt_proj.weight.initialization is given: it replaces dt_scale")
-        biases = {name: self.has_bias(getattr(self, name)) for name in self.in_proj_components}
-        first = self.in_proj_components[0]
-        for name in self.in_proj_components[1:]:
-            check(
-                biases[name] == biases[first],
-                f"{name}.bias.enabled",
-                f"{', '.join(self.in_proj_components)} are one fused in_proj weight: all have a bias or none "
-                f"({', '.join(f'{key}: {value}' for key, value in biases.items())})",
-            )
+        check_fused_biases({name: getattr(self, name) for name in self.in_proj_components}, self.add_linear_biases)
 
     def _check_inner_size(self, inner_size: int) -> None:
         """Grouped layout: the C heads (inner_size / state_size) are whole and share the x/B heads evenly."""
@@ -252,7 +245,7 @@ class MambaConfig(MixerConfig):
         self.check_tensor_parallel(tensor_parallel)
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)
 
     @property
     def has_dt_bias(self) -> bool:

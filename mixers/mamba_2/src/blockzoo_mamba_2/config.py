@@ -21,6 +21,7 @@ from blockzoo.api import (
     ParameterConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
 )
@@ -161,14 +162,7 @@ class Mamba2Config(MixerConfig):
             )
         low, high = self.dt_limit
         check(0 <= low < high, "dt_limit", f"must be [min, max] with 0 <= min < max, got [{low}, {high}]")
-        biases = {name: self.has_bias(getattr(self, name)) for name in IN_PROJ_COMPONENTS}
-        for name in IN_PROJ_COMPONENTS[1:]:
-            check(
-                biases[name] == biases["z"],
-                f"{name}.bias.enabled",
-                "z, x, b, c and dt are one fused in_proj weight: all have a bias or none "
-                f"({', '.join(f'{key}: {value}' for key, value in biases.items())})",
-            )
+        check_fused_biases({name: getattr(self, name) for name in IN_PROJ_COMPONENTS}, self.add_linear_biases)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         if self.groups % tensor_parallel:
@@ -195,4 +189,4 @@ class Mamba2Config(MixerConfig):
         return self.inner_size // self.groups if self.normalization.per_group else self.inner_size
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)

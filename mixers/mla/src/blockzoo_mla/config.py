@@ -150,4 +150,4 @@ class MLAConfig(MixerConfig):
         return self.query_key_head_size**-0.5 if self.softmax_scale is None else self.softmax_scale
 
     def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
+        return linear.has_bias(self.add_linear_biases)

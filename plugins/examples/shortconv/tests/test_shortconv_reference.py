@@ -70,5 +70,5 @@ def test_defaults():
 
 
 def test_input_and_gate_share_one_weight_so_both_or_neither_has_a_bias():
-    with pytest.raises(ConfigError, match=r"gate\.bias\.enabled: input and gate are one fused weight"):
+    with pytest.raises(ConfigError, match=r"gate\.bias\.enabled: input and gate are one fused input‖gate weight"):
         structure({"type": "shortconv.gated_conv", "input": {"bias": {"enabled": True}}}, MixerConfig)

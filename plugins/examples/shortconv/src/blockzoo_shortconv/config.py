@@ -20,6 +20,7 @@ from blockzoo.api import (
     ParameterConfig,
     at_least,
     check,
+    check_fused_biases,
     configclass,
     field,
 )
@@ -59,12 +60,8 @@ class GatedConvolutionConfig(MixerConfig):
     )
 
     def __attrs_post_init__(self) -> None:
-        check(
-            self.has_bias(self.input) == self.has_bias(self.gate),
-            "gate.bias.enabled",
-            f"input and gate are one fused weight: both have a bias or neither (input bias: "
-            f"{self.has_bias(self.input)}, gate bias: {self.has_bias(self.gate)})",
-        )
+        # One weight holds both projections' rows, so one bias or none: refused at gate.bias.enabled otherwise.
+        check_fused_biases({"input": self.input, "gate": self.gate}, self.add_linear_biases, weight="input‖gate")
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         # Called before a run starts: refuse a split the layer cannot do, naming the field.
@@ -73,6 +70,3 @@ class GatedConvolutionConfig(MixerConfig):
             "channels",
             f"tensor_parallel={tensor_parallel} must divide it ({self.channels})",
         )
-
-    def has_bias(self, linear: LinearConfig) -> bool:
-        return self.add_linear_biases if linear.bias.enabled is None else linear.bias.enabled
