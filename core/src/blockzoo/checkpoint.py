@@ -529,8 +529,8 @@ def file_checksum(path: Path, data: torch.Tensor | None = None) -> str:
     size = path.stat().st_size
     if not size:  # nothing to map
         return _chunked_checksum(b"", unmap=None)
-    # Hashed from the page cache without a copy (a file just written is still there); each chunk's pages are
-    # unmapped once hashed, so the process never holds more than a chunk per thread of the file.
+    # Hashed from the page cache without a copy (a file just written is still there); each piece's pages are
+    # unmapped once hashed, so the process never holds more than a piece (1 MiB) per thread of the file.
     with (
         open(path, "rb") as file,
         mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
