@@ -30,17 +30,11 @@ CONFIG = {
     "tie_word_embeddings": False,
 }
 
-# Runs the conversion once everything is imported, the plugins loaded and torch's meta tensors (the plan's shape
-# checks) used once (their first use imports about 70 MB of torch, whatever the model), then the peak RSS reset
-# (Linux clear_refs, so the imports' own peak does not hide the conversion's); prints the RSS then and the peak
-# RSS after (bytes).
+# Runs the conversion a second time in one process, after the peak RSS is reset (Linux clear_refs, so the first
+# one's imports and set-up do not hide the second's); prints the RSS then and the peak RSS after (bytes).
 MEASURE = """
 import json, resource, shutil, sys
-import torch
-import blockzoo_huggingface.weights
 from blockzoo.model.factory import convert
-from blockzoo.plugins import get_registry
-get_registry()
 # A first conversion imports the plugins' layers and builds the model on the meta device (tens of MB, as the installed
 # packages make it): the measured second one holds what the conversion itself holds.
 warm_up = sys.argv[2] + ".warm-up"
