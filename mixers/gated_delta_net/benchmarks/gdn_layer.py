@@ -9,11 +9,16 @@ in_proj and blockzoo's Triton convolution against fla's five projections, its ga
 ShortConvolutions. Both get fp32 parameters and bf16 activations: ours casts its weights (blockzoo's mixed
 precision), fla's runs under autocast. Ours runs packed documents (`--sequences` documents of `--length` tokens, the
 state reset at each boundary); fla's gets them as a [sequences, length] batch.
+
+Where fla refuses its gated backward (Hopper with Triton >= 3.4 and < 3.7.1 and no tilelang: its issue #640, wrong
+gradients from one kernel), ours trains on its torch path, and fla's forward+backward is still timed with that
+check lifted: a figure of its speed only (its gradients there are the wrong ones the check guards against).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -39,6 +44,22 @@ def measure(step, steps: int, warmup: int) -> tuple[float, int]:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated()
+
+
+@contextlib.contextmanager
+def fla_check_lifted(lifted: bool):
+    """fla's refusal of its gated backward on this GPU lifted while timing it (see the module's docstring)."""
+    if not lifted:
+        yield
+        return
+    import fla.ops.common.chunk_o as chunk_o
+
+    saved = chunk_o.TRITON_ABOVE_3_7_1
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield
+    finally:
+        chunk_o.TRITON_ABOVE_3_7_1 = saved
 
 
 def main() -> None:
@@ -105,29 +126,24 @@ def main() -> None:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             theirs(batched)
 
-    # fla refuses its gated backward on some GPUs (Hopper with Triton < 3.7.1 and no tilelang): then only the forward
-    # passes compare, and ours runs forward+backward on its torch path alone.
     refused = fla_backward_refused()
-    modes = {
-        "forward": (ours_forward, theirs_forward),
-        "forward+backward": (ours_step, None if refused else theirs_step),
-    }
+    modes = {"forward": (ours_forward, theirs_forward), "forward+backward": (ours_step, theirs_step)}
     shape = ", ".join(f"{key} {value}" for key, value in vars(arguments).items() if key not in ("steps", "warmup"))
     print(f"Gated DeltaNet, bf16, {shape}; {tokens} tokens, {counts['ours']} parameters each")
     for mode, (ours_run, theirs_run) in modes.items():
         flops = forward_flops + (backward_flops if mode != "forward" else 0)
         results = {"ours (blockzoo gated_delta_net)": measure(ours_run, arguments.steps, arguments.warmup)}
-        if theirs_run is not None:
+        with fla_check_lifted(refused and mode != "forward"):
             results["fla.layers.GatedDeltaNet"] = measure(theirs_run, arguments.steps, arguments.warmup)
         print(f" {mode}:")
         for name, (seconds, peak) in results.items():
             tflops = flops / seconds / 1e12
             print(f"  {name:34s} {seconds * 1e3:8.2f} ms  {tflops:6.1f} TFLOP/s  peak {peak / 2**30:6.2f} GiB")
-        if theirs_run is None:
-            print("  fla.layers.GatedDeltaNet: its backward refuses this GPU and Triton (ours: the torch path)")
-        else:
-            ratio = results["fla.layers.GatedDeltaNet"][0] / results["ours (blockzoo gated_delta_net)"][0]
-            print(f"  ratio (fla time / ours): {ratio:.2f}  (> 1: ours is faster)")
+        ratio = results["fla.layers.GatedDeltaNet"][0] / results["ours (blockzoo gated_delta_net)"][0]
+        print(f"  ratio (fla time / ours): {ratio:.2f}  (> 1: ours is faster)")
+        if refused and mode != "forward":
+            print("  (fla refuses its gated backward on this GPU and Triton, #640: ours trains on its torch path;")
+            print("   fla's figure was taken with its check lifted: speed only, its gradients are wrong here)")
 
 
 if __name__ == "__main__":

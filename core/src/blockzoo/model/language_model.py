@@ -325,7 +325,7 @@ class LanguageModel(nn.Module):
         if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("every prompt needs at least one token")
         device, dtype = self.distributed.device, self.distributed.compute_dtype
-        lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+        lengths = torch.tensor([len(prompt) for prompt in prompts])  # on the host: Batch reads them there
         states = [
             block.new_state(len(prompts), int(lengths.max()) + max_new_tokens, device, dtype) for block in self.decoder
         ]
@@ -333,27 +333,27 @@ class LanguageModel(nn.Module):
         batch = Batch(lengths, device=device, past_lengths=torch.zeros_like(lengths))
         logits = self.forward_packed(tokens, batch, states)[batch.cu_seqlens[1:].long() - 1]
         outputs: list[list[int]] = [[] for _ in prompts]
-        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        stop_tokens = [stop_token] if isinstance(stop_token, int) else list(stop_token or ())
-        stop_tokens = torch.tensor(stop_tokens, dtype=torch.long, device=device)
+        finished = [False] * len(prompts)
+        stop_tokens = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
         for step in range(max_new_tokens):
-            if not bool(torch.isfinite(logits).all()):
+            # One transfer to the host per step (the tokens and whether the logits were finite): on a GPU every
+            # further read of a device value would wait for the device again.
+            *next_tokens, finite = torch.cat(
+                [_pick(logits.float(), temperature, top_k, generator), torch.isfinite(logits).all().long()[None]]
+            ).tolist()
+            if not finite:
                 raise UsageError(
                     f"the model's logits are not finite (nan or inf) for new token {step + 1}: its weights are "
                     "unusable (did its training diverge?)"
                 )
-            next_tokens = _pick(logits.float(), temperature, top_k, generator)
-            for index, token in enumerate(next_tokens.tolist()):
+            for index, token in enumerate(next_tokens):
                 if not finished[index]:
                     outputs[index].append(token)
-            if len(stop_tokens):
-                finished |= torch.isin(next_tokens, stop_tokens)
-                if bool(finished.all()):
-                    break
-            if step + 1 == max_new_tokens:
+                    finished[index] = token in stop_tokens
+            if all(finished) or step + 1 == max_new_tokens:
                 break
             batch = Batch([1] * len(prompts), device=device, past_lengths=lengths)
-            logits = self.forward_packed(next_tokens, batch, states)
+            logits = self.forward_packed(torch.tensor(next_tokens, device=device), batch, states)
             lengths = lengths + 1
         return outputs
 
