@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--modes", nargs="+", choices=["forward", "forward+backward"], default=["forward", "forward+backward"]
+    )
     arguments = parser.parse_args()
     heads, size = arguments.heads, arguments.head_size
 
@@ -128,7 +131,10 @@ def main() -> None:
 
     refused = fla_backward_refused()
     modes = {"forward": (ours_forward, theirs_forward), "forward+backward": (ours_step, theirs_step)}
-    shape = ", ".join(f"{key} {value}" for key, value in vars(arguments).items() if key not in ("steps", "warmup"))
+    modes = {mode: modes[mode] for mode in arguments.modes}
+    shape = ", ".join(
+        f"{key} {value}" for key, value in vars(arguments).items() if key not in ("steps", "warmup", "modes")
+    )
     print(f"Gated DeltaNet, bf16, {shape}; {tokens} tokens, {counts['ours']} parameters each")
     for mode, (ours_run, theirs_run) in modes.items():
         flops = forward_flops + (backward_flops if mode != "forward" else 0)
