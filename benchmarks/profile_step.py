@@ -9,6 +9,11 @@ with `--one-document-per-row`) and prints: wall time per step, the GPU's busy ti
 kernels' intervals), so whether the step waits on the host, and the operators and kernels that take the most time.
 `--trace DIR` also writes Chrome traces (open in Perfetto). It answers questions the timing suites cannot, such as
 why the Trainer's eager hybrid step takes longer than the bare one.
+
+`--phases` instead runs the Trainer without the profiler (whose own cost distorts a step the host bounds) and prints
+the host's time per step in each part of it (the forward and backward passes, the gradient norm, the optimizer's
+launches, the next step's data, the read of the figures, the rest of the loop), with `--log-interval` steps per log
+line, and the bare step's time beside it.
 """
 
 from __future__ import annotations
@@ -112,6 +117,78 @@ def profile_trainer(config_path, overrides, arguments) -> None:
     report("Trainer", profiler, arguments.steps, state["wall"], arguments.top, arguments.trace)
 
 
+def trainer_phases(config_path, overrides, arguments) -> None:
+    """The host's time in each part of the Trainer's step (see the module's docstring), per step after `--warmup`."""
+    from blockzoo.config import load as load_config
+    from blockzoo.run_config import RunConfig
+    from blockzoo.training.trainer import Trainer
+
+    interval = arguments.log_interval
+    total = arguments.warmup + arguments.steps
+    with tempfile.TemporaryDirectory(prefix="blockzoo-phases-") as directory:
+        extra = [
+            f"training.train_iters={total}",
+            f"training.log_interval={interval}",
+            f"training.output_dir={directory}",
+        ]
+        if arguments.one_document_per_row:
+            length = load_config(RunConfig, config_path, overrides).data.sequence_length
+            extra.append(f"data.min_document_length={length}")
+        trainer = Trainer(load_config(RunConfig, config_path, [*overrides, *extra]), log=lambda _: None)
+        seconds: dict[str, float] = {}
+        starts: list[float] = []
+        counting = {"on": False}  # from the first timed step's start
+
+        def timed(name: str, function):
+            def call(*args, **kwargs):
+                begin = time.perf_counter()
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    if counting["on"]:
+                        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - begin
+
+            return call
+
+        train_step = trainer._train_step
+
+        def step(*args, **kwargs):
+            counting["on"] = counting["on"] or trainer.step == arguments.warmup
+            starts.append(time.perf_counter())
+            return train_step(*args, **kwargs)
+
+        trainer._train_step = timed("step (all of it)", step)
+        for name, owner, attribute in (
+            ("forward + backward", trainer, "forward_backward"),
+            ("gradient norm, clipping", trainer, "_clip_gradients"),
+            ("optimizer step", trainer.optimizer, "step"),
+            ("next step's data", trainer, "_prefetch"),
+            ("read of the figures (waits)", trainer, "_read_figures"),
+        ):
+            setattr(owner, attribute, timed(name, getattr(owner, attribute)))
+        trainer.save = lambda: None  # no checkpoint: not part of a step
+        trainer.run()
+        device = trainer.distributed.device
+        harness.synchronize(device)
+        end = time.perf_counter()
+        trainer.distributed.shutdown()
+    wall = (end - starts[arguments.warmup]) / arguments.steps
+    print(f"\n## Trainer, host time per step ({arguments.steps} steps, a log line every {interval} steps)")
+    print(f"  {'wall':32} {wall * 1e3:8.2f} ms")
+    for name, value in seconds.items():
+        print(f"  {name:32} {value / arguments.steps * 1e3:8.2f} ms")
+    config = load_config(RunConfig, config_path, overrides)
+    model, optimizer = ours.build(config)
+    tokens = ours.random_tokens(
+        config.data.micro_batch_size, config.data.sequence_length, config.model.embeddings.vocab_size, device
+    )
+    timing = harness.time_steps(
+        ours.bare_step(model, optimizer, tokens), warmup=arguments.warmup, steps=arguments.steps, device=device
+    )
+    bare = sorted(timing.times_s)[len(timing.times_s) // 2]
+    print(f"## bare step (median between CUDA events): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")
+
+
 def main() -> None:
     command = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_argument("config", nargs="?", default=str(harness.REPOSITORY / "examples" / "gpu_hybrid.yaml"))
@@ -121,6 +198,8 @@ def main() -> None:
     command.add_argument("--top", type=int, default=15)
     command.add_argument("--trace", type=Path, default=None)
     command.add_argument("--only", choices=["bare", "trainer"], default=None)
+    command.add_argument("--phases", action="store_true", help="the host's time per part of the Trainer's step")
+    command.add_argument("--log-interval", type=int, default=1, help="with --phases: steps per log line (default 1)")
     command.add_argument(
         "--one-document-per-row",
         action="store_true",
@@ -130,6 +209,9 @@ def main() -> None:
     from blockzoo.config import load as load_config
     from blockzoo.run_config import RunConfig
 
+    if arguments.phases:
+        trainer_phases(arguments.config, arguments.overrides, arguments)
+        return
     if arguments.only in (None, "bare"):
         profile_bare(load_config(RunConfig, arguments.config, arguments.overrides), arguments)
     if arguments.only in (None, "trainer"):

@@ -1,12 +1,14 @@
 """Suite `trainer`: the Trainer's tokens/s against the bare step of the same model in the same process, and its MFU.
 
     python benchmarks/trainer.py [--cases gpu gpu_hybrid] [--ours SETTING ...] [--steps 20] [--warmup 5]
-        [--json PATH] [--tiny]
+        [--log-interval 5] [--json PATH] [--tiny]
 
 Each case is an example config (random tokens): `gpu` (examples/gpu.yaml, a 100M transformer) and `gpu_hybrid`
 (examples/gpu_hybrid.yaml, 8 Mamba 2 + 4 attention blocks). For each `--ours` setting (benchmarks/ours.py), the
-Trainer (`blockzoo.training.trainer.Trainer` in this process: `warmup + steps` steps, a log line every step, output
-under a temporary directory, its one checkpoint at the end, after the timing) is timed from its log lines, and the
+Trainer (`blockzoo.training.trainer.Trainer` in this process: `warmup + steps` steps, a log line every
+`--log-interval` steps (the host reads the device at those only), output under a temporary directory, its one
+checkpoint at the end, after the timing) is timed from its log lines (each step: its interval's mean; the first
+call's excess: the first interval's time less the median of the others' steps), and the
 bare step (build, `parallelize`, optimizer, loss, backward, step; no data pipeline, no clipping, no logging) on
 random tokens of the same shape, one document per row in both (the Trainer's random dataset told so). Both take
 their model from the same seed. MFU as the Trainer reports it: the
@@ -17,6 +19,7 @@ layers' own FLOP counts over 989 TFLOP/s. Targets (issue 11): Trainer overhead â
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -74,11 +77,12 @@ def load(case: str, setting: str, extra: Sequence[str] = (), *, tiny: bool = Fal
 
 
 def step_times(stamps: Sequence[tuple[int, float]], start: float) -> list[float]:
-    """Seconds of each step from the times its log line arrived (one line per step; the first from `start`)."""
-    times, previous = [], start
-    for _, stamp in sorted(stamps):
-        times.append(stamp - previous)
-        previous = stamp
+    """Seconds of each step from the (step, time) its log lines arrived: a line every few steps gives each step of
+    its interval the interval's mean (the first interval from step 0 at `start`)."""
+    times, previous_step, previous = [], 0, start
+    for step, stamp in sorted(stamps):
+        times += [(stamp - previous) / (step - previous_step)] * (step - previous_step)
+        previous_step, previous = step, stamp
     return times
 
 
@@ -114,7 +118,12 @@ class Suite:
 
         total = self.arguments.warmup + self.arguments.steps
         with tempfile.TemporaryDirectory(prefix="blockzoo-bench-") as directory:
-            extra = [f"training.train_iters={total}", "training.log_interval=1", f"training.output_dir={directory}"]
+            interval = self.arguments.log_interval
+            extra = [
+                f"training.train_iters={total}",
+                f"training.log_interval={interval}",
+                f"training.output_dir={directory}",
+            ]
             config = load(case, setting, extra, tiny=self.arguments.tiny)
             # One document per row, as the bare step's tokens: the random dataset's documents of random lengths
             # would make the Trainer's step other work (varlen attention, SSM resets), not overhead.
@@ -141,7 +150,9 @@ class Suite:
         times = step_times(stamps, start)
         if len(times) != total:
             raise RuntimeError(f"expected {total} step log lines, got {len(times)}")
-        timing = harness.Timing(first_s=times[0], times_s=times[self.arguments.warmup :])
+        timed = times[self.arguments.warmup :]
+        first_s = sum(times[:interval]) - (interval - 1) * statistics.median(timed)
+        timing = harness.Timing(first_s=first_s, times_s=timed)
         timing.extra = {"last log": lines[-1].split("] ", 1)[-1]}
         if policies:
             timing.extra["the Trainer applied the setting"] = applied
@@ -173,7 +184,18 @@ def model_flops(config) -> float | None:
 def main(argv: Sequence[str] | None = None) -> None:
     command = harness.parser(__doc__, list(CASES), default_cases=list(CASES), steps=20, warmup=5)
     command.add_argument("--ours", nargs="+", metavar="SETTING", help=f"our settings (default: {DEFAULT_OURS})")
+    command.add_argument(
+        "--log-interval",
+        type=int,
+        default=5,
+        help="the Trainer's steps per log line (default 5: divides --warmup and --steps)",
+    )
     arguments, device = harness.parse(command, argv)
+    interval = arguments.log_interval
+    if interval < 1 or arguments.warmup % interval or arguments.steps % interval:
+        command.error(
+            f"--log-interval {interval} must divide --warmup ({arguments.warmup}) and --steps ({arguments.steps})"
+        )
     command_line = sys.argv if argv is None else ["benchmarks/trainer.py", *argv]
     suite = Suite(arguments, device, harness.Runner(SUITE, device, arguments.json, command_line))
     for case in arguments.cases:

@@ -311,6 +311,7 @@ def test_trainer_step_times_come_from_consecutive_log_lines():
     from benchmarks.trainer import STEP_LINE, step_times
 
     assert step_times([(2, 13.0), (1, 10.5), (3, 14.0)], start=10.0) == [0.5, 2.5, 1.0]
+    assert step_times([(4, 15.0), (2, 11.0)], start=10.0) == [0.5, 0.5, 2.0, 2.0]  # a line every 2 steps
     assert STEP_LINE.search("[#...] step 3/25 | loss 1.2").group(1) == "3"
 
 
@@ -377,5 +378,5 @@ def test_kernels_suite_runs_a_case_of_each_kind(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_suite_times_the_trainer_and_the_bare_step(tmp_path):
-    found = statuses(run_suite(tmp_path, "trainer", "--cases", "gpu", "--ours", "compile=none"))
+    found = statuses(run_suite(tmp_path, "trainer", "--cases", "gpu", "--ours", "compile=none", "--log-interval", "1"))
     assert found == {("gpu", "Trainer (compile=none)"): "ok", ("gpu", "bare step (compile=none)"): "ok"}

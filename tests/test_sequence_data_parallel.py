@@ -34,10 +34,15 @@ from blockzoo.training.step import place_micro_batch
 from blockzoo.training.trainer import Trainer
 
 # fp32: the ranks sum in another order than the single process. 3 AdamW steps of lr 0.01 clipped at norm 1 (as in
-# test_zero.py: Adam turns rounding of a gradient near its epsilon into update differences, hence the weights' atol).
+# test_zero.py: Adam turns rounding of a gradient near its epsilon into update differences, hence the weights' atol:
+# 5% of one step; one element of 1536 came out 2.6e-4 apart on one machine's CPU kernels, a wrong gradient moves
+# whole rows by the step's size).
 LOSS_TOLERANCE = {"rtol": 2e-5, "atol": 1e-7}
 GRADIENT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
-WEIGHT_TOLERANCE = {"rtol": 2e-5, "atol": 1e-4}
+WEIGHT_TOLERANCE = {"rtol": 2e-5, "atol": 5e-4}
+# The last step's gradients, taken at weights as far apart as WEIGHT_TOLERANCE allows (an element of 2e-3 came out
+# 2.2e-6 apart on that machine).
+TRAINED_GRADIENT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 STEPS = 3
 
 MOE = {
@@ -273,7 +278,7 @@ def _check_layout(label: str, model: str, settings: dict, root: Path, reference:
     for name, parameter in trainer.model.named_parameters():
         gradient = _global(parameter.grad, parameter, distributed)  # the last step's, clipped as the reference's
         message = f"{label}: {name}"
-        torch.testing.assert_close(gradient, reference["gradients"][name], **GRADIENT_TOLERANCE, msg=message)
+        torch.testing.assert_close(gradient, reference["gradients"][name], **TRAINED_GRADIENT_TOLERANCE, msg=message)
         weight = _global(parameter, parameter, distributed)
         torch.testing.assert_close(weight, reference["weights"][name], **WEIGHT_TOLERANCE, msg=message)
         assert (weight - reference["initial"][name]).abs().max() > 1e-3, f"{message} did not train"

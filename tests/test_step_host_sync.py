@@ -1,9 +1,10 @@
-"""A training step reads the device once: one transfer of its figures (`blockzoo.training.step.to_host`).
+"""Training reads the device once per log line: one transfer of the figures of the steps since the last one
+(`blockzoo.training.step.to_host`), and nothing in between.
 
 The CPU cannot see a host synchronization, so this test counts what would cause one on a GPU: every call, from
 blockzoo's code (the core and the plugins), of a tensor method that brings a value back to the host (`item`,
 `tolist`, `float(t)`, `int(t)`, `bool(t)`, `numpy`) on a floating-point or boolean tensor, while the trainer runs its
-steps (the next step's data is read and placed within them). Integer tensors are left out: the document lengths
+steps (the next step's data is read and placed within them; the final checkpoint, which reads the weights, aside). Integer tensors are left out: the document lengths
 and token ids are host data by design (`Batch` computes on the host and copies). The GPU test
 (tests/test_gpu_training.py: `torch.cuda.set_sync_debug_mode("error")`) sees every synchronization, of any dtype.
 """
@@ -38,7 +39,7 @@ HYBRID = model_data(
         },
     }
 )
-STEPS = 3
+STEPS = 4
 # Reads the code makes on the CPU only: linear_cross_entropy's label check, an asynchronous device assertion on GPUs.
 CPU_ONLY = {("__bool__", "blockzoo.layers.cross_entropy")}
 
@@ -63,8 +64,9 @@ def count_reads(monkeypatch) -> list[tuple[str, str]]:
 count_reads.active = False
 
 
+@pytest.mark.parametrize("log_interval", [1, 2])
 @pytest.mark.parametrize("model", [BIGRAM, HYBRID], ids=["bigram", "hybrid"])
-def test_a_step_reads_the_device_once(model, monkeypatch, tmp_path):
+def test_training_reads_the_device_once_per_log_line(model, log_interval, monkeypatch, tmp_path):
     run = {
         "model": model,
         "distributed": {"seed": SEED, "backend": "gloo"},
@@ -72,25 +74,27 @@ def test_a_step_reads_the_device_once(model, monkeypatch, tmp_path):
         "training": {
             "train_iters": STEPS,
             "gradient_accumulation": 2,
-            "log_interval": 1,
+            "log_interval": log_interval,
             "output_dir": str(tmp_path),
             "gradient_clipping": 0.5,
         },
     }
     trainer = Trainer(structure(run, RunConfig), log=lambda _: None)
+    assert trainer.optimizer.skips_non_finite_on_device
     reads = count_reads(monkeypatch)
-    step = trainer._train_step
+    save = trainer.save
 
-    def watched_step(*args, **kwargs):
-        count_reads.active = True
-        try:
-            return step(*args, **kwargs)
-        finally:
-            count_reads.active = False
+    def unwatched_save():
+        count_reads.active = False
+        return save()
 
-    trainer._train_step = watched_step
-    history = trainer.run()
-    assert len(history) == STEPS
-    assert reads == [("tolist", "blockzoo.training.step")] * STEPS
-    # The one read brought everything the step reports.
+    trainer.save = unwatched_save
+    count_reads.active = True
+    try:
+        history = trainer.run()
+    finally:
+        count_reads.active = False
+    assert [record.step for record in history] == list(range(1, STEPS + 1))
+    assert reads == [("tolist", "blockzoo.training.step")] * (STEPS // log_interval)
+    # The one read brought everything the steps report.
     assert all(record.losses for record in history) == (model is HYBRID)

@@ -381,9 +381,14 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path)
     assert all(torch.isfinite(parameter).all() for parameter in loaded.parameters())
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_non_finite_gradient_stops_the_run_before_the_update(tmp_path, device):
-    """On the CPU the host checks before the update; on CUDA the fused optimizer skips itself on the device."""
+@pytest.mark.parametrize(
+    ("device", "on_device"),
+    [("cpu", True), ("cpu", False), pytest.param("cuda", True, marks=pytest.mark.gpu)],
+    ids=["cpu-skipped-on-the-device", "cpu-checked-by-the-host", "cuda"],
+)
+def test_a_non_finite_gradient_stops_the_run_before_the_update(tmp_path, device, on_device):
+    """The fused AdamW skips a non-finite update on the device; an optimizer that cannot waits for the host's check
+    (here: the same one told so)."""
 
     def poison_gradients_after_the_checkpoint(message: str) -> None:
         if message.startswith("saved checkpoint"):
@@ -394,12 +399,37 @@ def test_a_non_finite_gradient_stops_the_run_before_the_update(tmp_path, device)
     backend = ["distributed.backend=nccl"] if device == "cuda" else []
     config = configure(tmp_path, "training.train_iters=5", "training.checkpoint_interval=1", *backend)
     trainer = Trainer(config, log=poison_gradients_after_the_checkpoint)
-    assert trainer.optimizer.skips_non_finite_on_device == (device == "cuda")
+    assert trainer.optimizer.skips_non_finite_on_device
+    trainer.optimizer.skips_non_finite_on_device = on_device
     with pytest.raises(TrainingError, match=r"^the gradient norm is (nan|inf) at step 2; stopping, the last check"):
         trainer.run()
     assert all(torch.isfinite(parameter).all() for parameter in trainer.model.parameters())
     saved = load_file(tmp_path / "step_1" / "model.safetensors")
     assert all(torch.equal(saved[name], value.cpu()) for name, value in weights(trainer.model).items())
+
+
+def test_figures_read_at_the_log_line_stop_at_the_first_non_finite_step_with_its_weights(tmp_path):
+    """Between log lines the host does not wait for the device: a non-finite gradient at step 2 is seen when step 4
+    logs, and steps 2 to 4 left the weights as step 1 made them (compared with a run of one step)."""
+    (tmp_path / "one").mkdir()
+    one_step, _ = train(configure(tmp_path / "one", "training.train_iters=1"))
+    config = configure(tmp_path / "run", "training.train_iters=6", "training.log_interval=4")
+    trainer = Trainer(config, log=quiet)
+    step = trainer._train_step
+
+    def poisoning_step(*args, **kwargs):
+        if trainer.step == 1:
+            trainer.model.head.output_weight.register_hook(lambda gradient: gradient * float("inf"))
+        return step(*args, **kwargs)
+
+    trainer._train_step = poisoning_step
+    with pytest.raises(TrainingError, match=r"^the gradient norm is (nan|inf) at step 2; stopping, no checkpoint"):
+        trainer.run()
+    assert trainer.step == 4
+    assert [record.step for record in trainer.history] == [1]
+    for name, value in weights(trainer.model).items():
+        assert torch.equal(value, weights(one_step.model)[name]), name
+    assert not (tmp_path / "run" / "step_4").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

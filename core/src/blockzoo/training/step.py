@@ -1,11 +1,10 @@
 """What one training step needs besides the model: its micro-batches on the device, and its figures on the host.
 
-The host never waits for the device during a step but once: `to_host` brings every figure the step reports and
-checks (loss, gradient norm, named losses) back in one transfer, before the optimizer step, so that a non-finite
-value stops the run before it reaches the weights. Everything else stays on the device: the labelled-token count,
-the reductions, the clipping factor. The micro-batches of a step are placed on the device ahead of time
-(`place_micro_batches`, called by the trainer while the previous step's work runs there): token and label tensors
-and each `Batch`'s document tensors are computed on the host and copied from pinned memory without waiting.
+The host waits for the device only to read the figures the steps report and check (loss, gradient norm, named
+losses: `StepFigures`), several steps' in one transfer (`to_host`). Everything else stays on the device: the
+labelled-token count, the reductions, the clipping factor. The micro-batches of a step are placed on the device ahead
+of time (`place_micro_batch`, called by the trainer while the previous step's work runs there): token and label
+tensors and each `Batch`'s document tensors are computed on the host and copied from pinned memory without waiting.
 
 Under sequence-data parallelism and micro-sequences a rank places only its slices of each micro-batch
 (`own_slices`): the sequence-data ranks of one data rank read the same micro-batches and each takes its own.
@@ -37,6 +36,17 @@ class PlacedMicroBatch:
     def labelled(self) -> torch.Tensor:
         """The count of labelled tokens, on the device (fp32)."""
         return (self.labels != IGNORE_INDEX).sum(dtype=torch.float32)
+
+
+@attrs.frozen
+class StepFigures:
+    """What step `step` reports, on the device until the host reads it: `values` (fp32, on the device) holds the
+    loss, the gradient norm, then the named losses in the order of `names`."""
+
+    step: int
+    learning_rate: float
+    names: tuple[str, ...]
+    values: torch.Tensor
 
 
 @attrs.frozen
@@ -87,5 +97,6 @@ def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicr
 
 
 def to_host(values: Sequence[torch.Tensor]) -> list[float]:
-    """The one device→host transfer of a step: every figure it reports and checks, as Python floats."""
-    return torch.stack([value.detach().float().reshape(()) for value in values]).tolist()
+    """The tensors `values` (of any shapes), flattened one after the other, as Python floats: one device→host
+    transfer, the only wait for the device of a training step (and of several, when they are read together)."""
+    return torch.cat([value.detach().float().reshape(-1) for value in values]).tolist()

@@ -81,7 +81,7 @@ from blockzoo.training.reporting import (
     step_line,
     tokens_line,
 )
-from blockzoo.training.step import PlacedMicroBatch, StepData, place_micro_batch, to_host
+from blockzoo.training.step import PlacedMicroBatch, StepData, StepFigures, place_micro_batch, to_host
 
 
 class TrainingError(RuntimeError):
@@ -190,6 +190,7 @@ class Trainer:
         self._flops_by_lengths: dict[tuple[int, ...], int] = {}
         self.data_position: Any = None
         self.history: list[StepRecord] = []
+        self._unread: list[StepFigures] = []  # steps whose figures are still on the device (see `_read_figures`)
         self.evaluations: list[tuple[int, float]] = []
         self._resume(last)
 
@@ -250,30 +251,36 @@ class Trainer:
             current = self._upcoming
             # The next step's data is read and placed while this step's work runs on the device.
             more = self.step + 1 < self.config.train_iters
-            record = self._train_step(
+            self._train_step(
                 current.micro_batches, prefetch=functools.partial(self._prefetch, batches) if more else None
             )
             self.step += 1
             self.data_position = current.position
-            self.history.append(record)
             timer.add(current.tokens, current.flops)
+            last = self.step == self.config.train_iters
+            logs = self.step % self.config.log_interval == 0 or last
+            evaluation = self.config.evaluation
+            evaluates = bool(evaluation.interval) and (self.step % evaluation.interval == 0 or last)
+            if logs or evaluates:  # what the host reports must be checked first
+                self._read_figures()
             entry = {}  # this step's line of the metrics file, if it logs anything
-            if self.step % self.config.log_interval == 0 or self.step == self.config.train_iters:
+            if logs:
+                record = self.history[-1]
                 self.log(step_line(record, self.config.train_iters, timer))
                 entry = metrics_entry(record, self.step * current.tokens, time.perf_counter() - started, timer)
                 timer.reset()
-            evaluation = self.config.evaluation
-            if evaluation.interval and (self.step % evaluation.interval == 0 or self.step == self.config.train_iters):
+            if evaluates:
                 tokens = self.step * current.tokens
                 entry = {"step": self.step, "tokens": tokens, **entry, "evaluation_loss": self._evaluate()}
             if entry and metrics is not None:
                 metrics.write(entry)
-            self._progress.advance(record.loss)
+            self._progress.advance(self.history[-1].loss if logs else None)
             interval = self.config.checkpoint_interval
             stop = self._stop_requested(signals)
-            if (interval and self.step % interval == 0) or self.step == self.config.train_iters or stop:
+            if (interval and self.step % interval == 0) or last or stop:
+                self._read_figures()  # what a checkpoint keeps must be checked first
                 directory = self.save()
-            if stop and self.step < self.config.train_iters:
+            if stop and not last:
                 self.log(
                     f"stopped at step {self.step} on a signal; checkpoint {directory} saved: the run resumes there"
                 )
@@ -353,11 +360,9 @@ class Trainer:
             flops=flops * data_size,
         )
 
-    def _train_step(
-        self, micro_batches: list[PlacedMicroBatch], prefetch: Callable[[], None] | None = None
-    ) -> StepRecord:
-        """One optimizer step over this rank's `micro_batches`. `prefetch` runs once the step's work is queued on the
-        device, before the step's one wait for it (`to_host`: the figures it reports and checks)."""
+    def _train_step(self, micro_batches: list[PlacedMicroBatch], prefetch: Callable[[], None] | None = None) -> None:
+        """One optimizer step over this rank's `micro_batches`; its figures wait on the device (`_read_figures`).
+        `prefetch` runs once the step's work is queued on the device."""
         self.model.train()
         rate = learning_rate(
             self.step,
@@ -370,23 +375,36 @@ class Trainer:
         cross_entropy, named = self.forward_backward(micro_batches)
         self.distributed.reduce_replicated_gradients(unique_trainable(self.model.parameters()))
         norm = self._clip_gradients()
-        # The weights must stay finite: the update waits for the check of the loss and norm, on the device where the
-        # optimizer can skip itself (then the step's one wait comes after all its work is queued), else on the host.
+        values = torch.stack([cross_entropy, norm, *named.values()]).detach().float()
+        self._unread.append(StepFigures(step=self.step + 1, learning_rate=rate, names=tuple(named), values=values))
+        # The weights must stay finite. An optimizer that skips its update on the device after a non-finite loss or
+        # norm (and every later update: the run stops when the host reads the figures) lets the host read them at
+        # the next log line; otherwise the update waits for the host's check.
         on_device = getattr(self.optimizer, "skips_non_finite_on_device", False)
         if on_device:
             self.optimizer.skip_unless_finite(cross_entropy, norm)
             self.optimizer.step()
         if prefetch is not None:
             prefetch()
-        loss, norm, *named_values = to_host([cross_entropy, norm, *named.values()])
-        self._check_finite("loss", loss)
-        self._check_finite("gradient norm", norm)
         if not on_device:
+            self._read_figures()
             self.optimizer.step()
         if self.debug is not None:
             debug.after_step(self.model, self.distributed, self.step + 1)
-        losses = dict(zip(named, named_values))
-        return StepRecord(step=self.step + 1, loss=loss, learning_rate=rate, gradient_norm=norm, losses=losses)
+
+    def _read_figures(self) -> None:
+        """The figures of the steps not read yet, in one transfer from the device, checked and added to `history`:
+        a non-finite loss or gradient norm stops the run (`TrainingError`), naming the first step that had one."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            return
+        values = iter(to_host([figures.values for figures in unread]))
+        for figures in unread:
+            loss, norm, *named = (next(values) for _ in range(2 + len(figures.names)))
+            self._check_finite("loss", loss, figures.step)
+            self._check_finite("gradient norm", norm, figures.step)
+            losses = dict(zip(figures.names, named))
+            self.history.append(StepRecord(figures.step, loss, figures.learning_rate, norm, losses))
 
     def forward_backward(self, micro_batches: list[PlacedMicroBatch]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The forward and backward passes of a step's micro-batches (of this rank): leaves the gradients of the
@@ -419,11 +437,11 @@ class Trainer:
                 named[name] = named.get(name, 0.0) + value.detach().float() / micro_batches_of_all_ranks
         return self._reduce_loss(total_cross_entropy) / labelled, self._reduce_named(named)
 
-    def _check_finite(self, what: str, value: float) -> None:
+    def _check_finite(self, what: str, value: float, step: int) -> None:
         if not math.isfinite(value):
             last = latest_checkpoint(self.output_dir)
             kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
-            raise TrainingError(f"the {what} is {value} at step {self.step + 1}; stopping, {kept}")
+            raise TrainingError(f"the {what} is {value} at step {step}; stopping, {kept}")
 
     # -- parallel reductions -------------------------------------------------------------------------------------------
 
