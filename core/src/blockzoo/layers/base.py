@@ -62,6 +62,18 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+def to_device_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host `tensors` of one dtype on `device` in one copy (each a view of it): on a GPU, from one pinned buffer
+    without waiting, so placing a batch costs one transfer, not one per tensor."""
+    if device.type == "cpu":
+        return list(tensors)
+    sizes = [tensor.numel() for tensor in tensors]
+    buffer = torch.empty(sum(sizes), dtype=tensors[0].dtype, pin_memory=device.type == "cuda")
+    torch.cat([tensor.reshape(-1) for tensor in tensors], out=buffer)
+    moved = buffer.to(device, non_blocking=True)
+    return [view.view(tensor.shape) for view, tensor in zip(moved.split(sizes), tensors)]
+
+
 @attrs.frozen
 class SequenceData:
     """How a slice of longer sequences relates to the other slices of its step (see `Mixer.forward_slice`).
@@ -125,7 +137,6 @@ class Batch:
         self.num_tokens = sum(as_list)
         self.max_length = max(as_list)
         ends = lengths_on_host.cumsum(0)
-        cu_seqlens = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
         past = None if past_lengths is None else torch.as_tensor(past_lengths, dtype=torch.int64).cpu()
         document_index, positions = _document_index_and_positions(lengths_on_host, ends, past, self.num_tokens)
         self.sequence_data = sequence_data
@@ -140,11 +151,12 @@ class Batch:
                 )
             self.continued = int(past[0])
         self.host_lengths = lengths_on_host  # the lengths on the host, for what must not wait for the device
-        self.lengths = to_device(lengths_on_host, self.device)
-        self.past_lengths = None if past is None else to_device(past, self.device)
-        self.cu_seqlens = to_device(cu_seqlens, self.device)
-        self.document_index = to_device(document_index, self.device)
-        self.positions = to_device(positions, self.device)
+        cu_seqlens = torch.nn.functional.pad(ends, (1, 0))  # int64 to travel with the rest; int32 once there
+        self.lengths, cu_seqlens, self.document_index, self.positions, *past_lengths = to_device_together(
+            [lengths_on_host, cu_seqlens, document_index, positions, *([] if past is None else [past])], self.device
+        )
+        self.cu_seqlens = cu_seqlens.to(torch.int32)
+        self.past_lengths = past_lengths[0] if past_lengths else None
         # Losses layers add during the forward pass (MoE auxiliary losses...), named per layer.
         self.losses: dict[str, torch.Tensor] = {}
         # On a slice: the statistics of the losses that are functions of sums over all the sequence's tokens.

@@ -20,7 +20,7 @@ import torch
 
 from blockzoo.data.dataset import MicroBatch
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.layers.base import IGNORE_INDEX, Batch, SequenceData, slice_batch, slice_ranges, to_device
+from blockzoo.layers.base import IGNORE_INDEX, Batch, SequenceData, slice_batch, slice_ranges, to_device_together
 
 
 @attrs.frozen
@@ -74,11 +74,8 @@ def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicr
     (`distributed.config.uses_slices`)."""
     device = distributed.device
     if not distributed.config.uses_slices:
-        return PlacedMicroBatch(
-            tokens=to_device(micro.tokens, device),
-            labels=to_device(micro.labels, device),
-            batch=Batch(micro.lengths, device=device),
-        )
+        tokens, labels = to_device_together([micro.tokens, micro.labels], device)
+        return PlacedMicroBatch(tokens=tokens, labels=labels, batch=Batch(micro.lengths, device=device))
     ranges = own_slices(len(micro.tokens), distributed)
     lengths = micro.lengths.tolist()
     sequence_data = SequenceData(
@@ -89,11 +86,14 @@ def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicr
     batches = tuple(
         slice_batch(lengths, start, stop, sequence_data=sequence_data, device=device) for start, stop in ranges
     )
-    return PlacedMicroBatch(
-        tokens=to_device(torch.cat([micro.tokens[start:stop] for start, stop in ranges]), device),
-        labels=to_device(torch.cat([micro.labels[start:stop] for start, stop in ranges]), device),
-        batch=batches[0] if len(batches) == 1 else batches,
+    tokens, labels = to_device_together(
+        [
+            torch.cat([micro.tokens[start:stop] for start, stop in ranges]),
+            torch.cat([micro.labels[start:stop] for start, stop in ranges]),
+        ],
+        device,
     )
+    return PlacedMicroBatch(tokens=tokens, labels=labels, batch=batches[0] if len(batches) == 1 else batches)
 
 
 def to_host(values: Sequence[torch.Tensor]) -> list[float]:

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from blockzoo.checkpoint import (
     METADATA_FILE,
@@ -180,6 +181,9 @@ class Trainer:
         self.debug = debug.install(self.model, self.distributed) if run_config.distributed.debug else None
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
+        # Walked once, not per step: a step of a small model is bound by the host (see `_norm_groups`).
+        self._trainable = unique_trainable(self.model.parameters())
+        self._norm_groups = self._gradient_norm_groups()
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
         self.log(memory_report(self.memory, self.distributed))
         self.data = build_dataset(
@@ -246,6 +250,7 @@ class Trainer:
         started = time.perf_counter()
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
+        self.model.train()  # and again after each evaluation
         self._upcoming = self._next_step_data(batches) if trained else None
         while self.step < self.config.train_iters:
             current = self._upcoming
@@ -363,7 +368,6 @@ class Trainer:
     def _train_step(self, micro_batches: list[PlacedMicroBatch], prefetch: Callable[[], None] | None = None) -> None:
         """One optimizer step over this rank's `micro_batches`; its figures wait on the device (`_read_figures`).
         `prefetch` runs once the step's work is queued on the device."""
-        self.model.train()
         rate = learning_rate(
             self.step,
             peak=self.config.optimizer.learning_rate,
@@ -373,7 +377,7 @@ class Trainer:
         self.optimizer.set_learning_rate(rate)
         self.optimizer.zero_grad(set_to_none=True)
         cross_entropy, named = self.forward_backward(micro_batches)
-        self.distributed.reduce_replicated_gradients(unique_trainable(self.model.parameters()))
+        self.distributed.reduce_replicated_gradients(self._trainable)
         norm = self._clip_gradients()
         values = torch.stack([cross_entropy, norm, *named.values()]).detach().float()
         self._unread.append(StepFigures(step=self.step + 1, learning_rate=rate, names=tuple(named), values=values))
@@ -468,6 +472,20 @@ class Trainer:
         dist.all_reduce(values, group=group)
         return dict(zip(named, values.unbind()))
 
+    def _gradient_norm_groups(self) -> list[tuple[int, int, list[nn.Parameter]]]:
+        """The trainable parameters by how the squares of their gradients are summed (see `_clip_gradients`):
+        (tensor-parallel split, 0 replicated / 1 experts split over data / 2 FSDP shards, parameters of one dtype),
+        a pipeline stage's copy of a tied weight left out (the first stage counts it)."""
+        copies = set() if self.pipeline is None else self.pipeline.copies
+        groups: dict[tuple[int, int, torch.dtype], list[nn.Parameter]] = {}
+        for name, parameter in self.model.named_parameters():
+            if not parameter.requires_grad or name in copies:
+                continue
+            meta = parameter.meta
+            split = 1 if meta.data_parallel_sharded else 2 if is_sharded(parameter) else 0
+            groups.setdefault((int(meta.tensor_parallel), split, parameter.dtype), []).append(parameter)
+        return [(parallel, split, parameters) for (parallel, split, _), parameters in groups.items()]
+
     def _clip_gradients(self) -> torch.Tensor:
         """The global gradient norm (on the device), the gradients clipped to the config's limit. Squares of
         gradients split over the tensor group are summed over it; of experts (split over the data group under expert
@@ -477,22 +495,12 @@ class Trainer:
         distributed = self.distributed
         # squares[tensor-parallel split][replicated, experts (split over data), FSDP shards (over data × sequence)]
         squares = torch.zeros(2, 3, device=distributed.device)
-        grads = []
-        kinds: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
-        copies = set() if self.pipeline is None else self.pipeline.copies
-        for name, parameter in self.model.named_parameters():
-            if not parameter.requires_grad or parameter.grad is None:
-                continue
-            meta, grad = parameter.meta, local_tensor(parameter.grad)
-            grads.append(grad)
-            if name in copies:
-                continue
-            split = 1 if meta.data_parallel_sharded else 2 if is_sharded(parameter) else 0
-            kinds.setdefault((int(meta.tensor_parallel), split, grad.dtype), []).append(grad)
-        # One multi-tensor norm per kind: a few kernels in all, not several per parameter (a step of a small model
+        # One multi-tensor norm per group: a few kernels in all, not several per parameter (a step of a small model
         # is bound by the host's kernel launches).
-        for (parallel, split, _), kind in kinds.items():
-            squares[parallel, split] += torch.stack(torch._foreach_norm(kind, 2)).float().pow(2).sum()
+        for parallel, split, parameters in self._norm_groups:
+            grads = [local_tensor(parameter.grad) for parameter in parameters if parameter.grad is not None]
+            if grads:
+                squares[parallel, split] += torch.stack(torch._foreach_norm(grads, 2)).float().pow(2).sum()
         if distributed.tensor_group is not None and distributed.tensor_size > 1:
             dist.all_reduce(squares[1], group=distributed.tensor_group)
         for split, group, size in (
@@ -507,6 +515,7 @@ class Trainer:
             dist.all_reduce(squares, group=self.distributed.pipeline_group)
         norm = squares.sum().sqrt()
         limit = self.config.gradient_clipping
+        grads = [local_tensor(parameter.grad) for parameter in self._trainable if parameter.grad is not None]
         if limit is not None and grads:
             # As torch.nn.utils.clip_grad_norm_: a factor of at most 1, computed and applied on the device.
             torch._foreach_mul_(grads, (limit / (norm + 1e-6)).clamp(max=1.0))
@@ -532,6 +541,7 @@ class Trainer:
         (loss,) = to_host([self._reduce_loss(total) / self._all_reduce_data(count).clamp(min=1)])
         for module in [self.model] if self.pipeline is None else self.pipeline.modules:
             reshard(module)  # the forward passes without a backward left weights gathered
+        self.model.train()
         self.evaluations.append((self.step, loss))
         self.log(f"evaluation at step {self.step}: loss {loss:.4f}")
         return loss
