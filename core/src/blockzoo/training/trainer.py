@@ -181,7 +181,7 @@ class Trainer:
         self.debug = debug.install(self.model, self.distributed) if run_config.distributed.debug else None
         optimizer_class = get_registry().implementation_of(self.config.optimizer)
         self.optimizer = optimizer_class(self.config.optimizer, self.model.parameters())
-        # Walked once, not per step: a step of a small model is bound by the host (see `_norm_groups`).
+        # Walked once, not per step: a step of a small model is bound by the host's work.
         self._trainable = unique_trainable(self.model.parameters())
         self._norm_groups = self._gradient_norm_groups()
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
@@ -515,8 +515,8 @@ class Trainer:
             dist.all_reduce(squares, group=self.distributed.pipeline_group)
         norm = squares.sum().sqrt()
         limit = self.config.gradient_clipping
-        grads = [local_tensor(parameter.grad) for parameter in self._trainable if parameter.grad is not None]
-        if limit is not None and grads:
+        grads = [] if limit is None else [local_tensor(p.grad) for p in self._trainable if p.grad is not None]
+        if grads:
             # As torch.nn.utils.clip_grad_norm_: a factor of at most 1, computed and applied on the device.
             torch._foreach_mul_(grads, (limit / (norm + 1e-6)).clamp(max=1.0))
         return norm
