@@ -53,6 +53,10 @@ PLUGIN = {
                     return hidden.view(-1, 3, 5)  # a bug: the view does not fit
                 if self.fault == "shape":
                     return hidden[..., :-1]
+                if self.fault == "compile":  # as torch.compile reports a broken cache entry
+                    from torch._inductor.exc import InductorError
+
+                    raise InductorError(ImportError("/tmp/cache/ab/cab.main.so: file too short"), None)
                 return hidden * 0.5
 
             def flops(self, batch):
@@ -118,6 +122,7 @@ FAULTS = {
     "build": ("building", "ValueError: bad dimensions 7 (simulated)", "mixer.py:"),
     "forward": ("running", "RuntimeError: shape '[-1, 3, 5]' is invalid", "mixer.py:"),
     "shape": ("running", "LayerOutputError: returned a tensor of shape (32, 15), expected (32, 16)", "block.py:"),
+    "compile": ("running", "InductorError: ImportError: /tmp/cache/ab/cab.main.so: file too short", "mixer.py:"),
 }
 
 
@@ -134,6 +139,8 @@ def test_a_failing_plugin_layer_is_named_in_one_message(site, tmp_path, fault):
         assert message.startswith("blockzoo: error: invalid config:\n  model: cannot be built: the mixer"), message
     else:
         assert message.startswith("blockzoo: error: the mixer") and "--traceback" in message, message
+    compile_hint = "this is torch.compile failing, not the layer: if a run was stopped while compiling, its cache ("
+    assert (compile_hint in message and "training.compile=none" in message) == (fault == "compile"), message
 
 
 @pytest.mark.parametrize(("flag", "environment"), [(["--traceback"], {}), ([], {"BLOCKZOO_TRACEBACK": "1"})])

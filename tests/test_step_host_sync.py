@@ -4,9 +4,10 @@
 The CPU cannot see a host synchronization, so this test counts what would cause one on a GPU: every call, from
 blockzoo's code (the core and the plugins), of a tensor method that brings a value back to the host (`item`,
 `tolist`, `float(t)`, `int(t)`, `bool(t)`, `numpy`) on a floating-point or boolean tensor, while the trainer runs its
-steps (the next step's data is read and placed within them; the final checkpoint, which reads the weights, aside). Integer tensors are left out: the document lengths
-and token ids are host data by design (`Batch` computes on the host and copies). The GPU test
-(tests/test_gpu_training.py: `torch.cuda.set_sync_debug_mode("error")`) sees every synchronization, of any dtype.
+steps (the next step's data is read and placed within them; the final checkpoint, which reads the weights, aside).
+Integer tensors are left out: the document lengths and token ids are host data by design (`Batch` computes on the
+host and copies). The GPU tests (tests/test_gpu_training.py, tests/test_zero.py: `torch.cuda.set_sync_debug_mode
+("error")`) see every synchronization, of any dtype.
 """
 
 import sys

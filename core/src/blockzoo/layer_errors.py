@@ -10,6 +10,7 @@ the block raises before adding the output to the residual stream.
 
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Any
 
@@ -39,8 +40,24 @@ class LayerFailure:
         entry = self.entry
         return (
             f"the {entry.kind} {entry.name!r} of plugin {entry.plugin.label} at {self.path} failed while {self.stage}: "
-            f"{describe_error(self.error)}"
+            f"{describe_error(self.error)}{_compile_hint(self.error)}"
         )
+
+
+def _compile_hint(error: BaseException) -> str:
+    """What to try when the error is torch.compile's (`training.compile`), not the layer's: a run killed while
+    compiling leaves a half-written file in torch's compile cache, and every later run fails on it ("file too
+    short")."""
+    exceptions = sys.modules.get("torch._dynamo.exc")  # loaded by whatever compiled
+    if exceptions is None or not isinstance(error, exceptions.BackendCompilerFailed):
+        return ""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return (
+        f"; this is torch.compile failing, not the layer: if a run was stopped while compiling, its cache "
+        f"({cache_dir()}) may hold a half-written file: remove that directory and run again, or train without "
+        "compiling (training.compile=none)"
+    )
 
 
 def locate_layer_failure(error: BaseException) -> LayerFailure | None:
