@@ -70,7 +70,13 @@ class TrainingConfig(Config):
     gradient_clipping: float | None = field(
         1.0, doc="Clip the global gradient norm to this; None: no clipping.", validator=greater_than(0)
     )
-    log_interval: int = field(10, doc="Log every this many steps.", validator=at_least(1))
+    log_interval: int = field(
+        10,
+        doc="Log every this many steps. The host reads the steps' figures from the device only then (and at "
+        "evaluations, checkpoints and the end), so a non-finite loss stops the run there, naming its step; the updates "
+        "after it are skipped.",
+        validator=at_least(1),
+    )
     evaluation: EvaluationConfig = field(factory=EvaluationConfig, doc="Evaluation on the validation split.")
     output_dir: str = field("runs/blockzoo", doc="Where checkpoints go; a run resumes from the latest one there.")
     checkpoint_interval: int | None = field(
