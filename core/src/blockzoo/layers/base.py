@@ -38,9 +38,10 @@ StatisticsLoss = tuple[dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor
 def _document_index_and_positions(
     lengths: torch.Tensor, ends: torch.Tensor, past: torch.Tensor | None, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's document, and its position in it (counting `past` tokens before it, when generating): two
-    running sums of per-token steps that change at document starts. Not `repeat_interleave` and a gather: on a busy
-    CPU their threads made a step's batch take 12 ms instead of 0.2 ms (blockzoo/benchmarks/RESULTS.md)."""
+    """Each token's document, and its position in it (counting the `past` tokens of its document: generation's cache,
+    or a slice's earlier pieces): two running sums of per-token steps that change at document starts. Not
+    `repeat_interleave` and a gather: on a busy CPU their threads made a step's batch take 12 ms instead of 0.2 ms
+    (benchmarks/RESULTS.md, 2026-12-02)."""
     starts = ends[:-1]
     document_index = torch.zeros(num_tokens, dtype=torch.int64)
     document_index[starts] = 1
