@@ -185,7 +185,7 @@ def trainer_phases(config_path, overrides, arguments) -> None:
     timing = harness.time_steps(
         ours.bare_step(model, optimizer, tokens), warmup=arguments.warmup, steps=arguments.steps, device=device
     )
-    bare = sorted(timing.times_s)[len(timing.times_s) // 2]
+    bare = harness.percentile(timing.times_s, 0.5)
     print(f"## bare step (median between CUDA events): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")
 
 

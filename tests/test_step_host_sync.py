@@ -87,7 +87,10 @@ def test_training_reads_the_device_once_per_log_line(model, log_interval, monkey
 
     def unwatched_save():
         count_reads.active = False
-        return save()
+        try:
+            return save()
+        finally:
+            count_reads.active = True
 
     trainer.save = unwatched_save
     count_reads.active = True
