@@ -94,6 +94,13 @@ class TrainingConfig(Config):
         doc="`blocks`: torch.compile each block's training forward (and its backward), fusing its elementwise work; "
         "blocks of one configuration share one compilation. Evaluation and generation run eagerly.",
     )
+    cuda_graphs: bool = field(
+        False,
+        doc="Replay each training step's forward, backward and clipping as one CUDA graph (one process on a GPU), for "
+        "steps bound by the host's kernel launches. A step replays after a step of the same document lengths (data "
+        "of whole rows or fixed lengths: every step after the second); a step that cannot be captured runs eagerly, "
+        "and the run says why.",
+    )
     recompute: Recompute = field(
         "none",
         doc="Activation recomputation of every block: `none` keeps what the backward pass needs; `selective` keeps "

@@ -55,6 +55,7 @@ from blockzoo.distributed.data_parallel import is_sharded, prepare_micro_batch, 
 from blockzoo.distributed.parallelize import parallelize
 from blockzoo.distributed.pipeline import Pipeline, build_pipeline_model
 from blockzoo.distributed.runtime import Distributed, local_tensor
+from blockzoo.errors import UsageError
 from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.factory import (
@@ -68,6 +69,7 @@ from blockzoo.model.factory import (
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
+from blockzoo.training.graphs import StepGraph, check_cuda_graphs_possible
 from blockzoo.training.metrics import MetricsFile
 from blockzoo.training.optimizer import learning_rate, unique_trainable
 from blockzoo.training.progress import Progress, write_line
@@ -184,6 +186,12 @@ class Trainer:
         # Walked once, not per step: a step of a small model is bound by the host's work.
         self._trainable = unique_trainable(self.model.parameters())
         self._norm_groups = self._gradient_norm_groups()
+        self._gradients: Callable[[list[PlacedMicroBatch]], tuple[torch.Tensor, tuple[str, ...]]] = self._step_gradients
+        if self.config.cuda_graphs:
+            problem = check_cuda_graphs_possible(self.distributed.device, self.distributed.world_size)
+            if problem is not None:
+                raise UsageError(problem)
+            self._gradients = StepGraph(self._step_gradients, self._trainable, self.log)
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
         self.log(memory_report(self.memory, self.distributed))
         self.data = build_dataset(
@@ -375,12 +383,9 @@ class Trainer:
             schedule=self.config.schedule,
         )
         self.optimizer.set_learning_rate(rate)
-        self.optimizer.zero_grad(set_to_none=True)
-        cross_entropy, named = self.forward_backward(micro_batches)
-        self.distributed.reduce_replicated_gradients(self._trainable)
-        norm = self._clip_gradients()
-        values = torch.stack([cross_entropy, norm, *named.values()]).detach().float()
-        self._unread.append(StepFigures(step=self.step + 1, learning_rate=rate, names=tuple(named), values=values))
+        values, names = self._gradients(micro_batches)
+        cross_entropy, norm = values[0], values[1]
+        self._unread.append(StepFigures(step=self.step + 1, learning_rate=rate, names=names, values=values))
         # The weights must stay finite. An optimizer that skips its update on the device after a non-finite loss or
         # norm (and every later update: the run stops when the host reads the figures) lets the host read them at
         # the next log line; otherwise the update waits for the host's check.
@@ -395,6 +400,16 @@ class Trainer:
             self.optimizer.step()
         if self.debug is not None:
             debug.after_step(self.model, self.distributed, self.step + 1)
+
+    def _step_gradients(self, micro_batches: list[PlacedMicroBatch]) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """The step's gradients, reduced and clipped, in the parameters' `.grad`; returns its figures on the device
+        (loss, gradient norm, named losses: `StepFigures.values`) and the named losses' names. What a CUDA graph
+        captures (`training.cuda_graphs`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        cross_entropy, named = self.forward_backward(micro_batches)
+        self.distributed.reduce_replicated_gradients(self._trainable)
+        norm = self._clip_gradients()
+        return torch.stack([cross_entropy, norm, *named.values()]).detach().float(), tuple(named)
 
     def _read_figures(self) -> None:
         """The figures of the steps not read yet, in one transfer from the device, checked and added to `history`:

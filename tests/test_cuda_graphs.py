@@ -1,0 +1,120 @@
+"""`training.cuda_graphs`: steps replayed as one CUDA graph train as the eager steps do (the same Trainer with the
+option off is the reference), fall back to eager steps where they cannot replay, and say so; refused off a GPU."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockzoo.cli import main
+from blockzoo.config import load
+from blockzoo.run_config import RunConfig
+from blockzoo.training.trainer import Trainer
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+STEPS = 8
+# The hybrid example scaled down (Mamba 2 through mamba_ssm's kernels where installed, varlen attention).
+SMALL_HYBRID = [
+    "model.hidden_size=256",
+    "model.decoder.num_blocks=3",
+    "model.embeddings.vocab_size=1024",
+    "model.decoder.blocks.ssm.mixer.heads=8",
+    "model.decoder.blocks.ssm.mlp.intermediate_size=512",
+    "model.decoder.blocks.attn.mixer.heads=4",
+    "model.decoder.blocks.attn.mixer.head_groups=2",
+    "model.decoder.blocks.attn.mlp.intermediate_size=512",
+    "data.sequence_length=512",
+    "data.micro_batch_size=4",
+    f"training.train_iters={STEPS}",
+    "training.log_interval=4",
+    "training.schedule.warmup_iters=2",
+]
+WHOLE_ROWS = ["data.min_document_length=512"]
+
+
+def train(tmp_path: Path, name: str, overrides: list[str], example: str = "gpu_hybrid.yaml"):
+    lines: list[str] = []
+    config = load(RunConfig, EXAMPLES / example, [*overrides, f"training.output_dir={tmp_path / name}"])
+    with Trainer(config, log=lines.append) as trainer:
+        history = trainer.run()
+        weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        graph = trainer._gradients
+    return [record.loss for record in history], weights, lines, graph
+
+
+def assert_same_training(eager, graphed, *, rtol=1e-4, atol=1e-5):
+    eager_losses, eager_weights, *_ = eager
+    graphed_losses, graphed_weights, *_ = graphed
+    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
+    for name, weight in eager_weights.items():
+        torch.testing.assert_close(graphed_weights[name], weight, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_train_as_the_eager_steps_do(tmp_path):
+    eager = train(tmp_path, "eager", SMALL_HYBRID + WHOLE_ROWS)
+    graphed = train(tmp_path, "graphed", [*SMALL_HYBRID, *WHOLE_ROWS, "training.cuda_graphs=true"])
+    assert_same_training(eager, graphed)
+    # The first step runs eagerly, the second is captured and replayed, every later one replayed.
+    assert graphed[3].replays == STEPS - 1
+    assert not any("cuda_graphs" in line for line in graphed[2]), graphed[2]
+
+
+@pytest.mark.gpu
+def test_graphed_steps_under_compiled_blocks_and_recomputation(tmp_path):
+    settings = [*SMALL_HYBRID, *WHOLE_ROWS, "training.compile=blocks", "training.recompute=selective"]
+    eager = train(tmp_path, "eager", settings)
+    graphed = train(tmp_path, "graphed", [*settings, "training.cuda_graphs=true"])
+    assert_same_training(eager, graphed)
+    assert graphed[3].replays == STEPS - 1
+
+
+@pytest.mark.gpu
+def test_documents_of_changing_lengths_run_eagerly_and_the_run_says_so(tmp_path):
+    eager = train(tmp_path, "eager", SMALL_HYBRID)  # the random dataset's documents of random lengths
+    graphed = train(tmp_path, "graphed", [*SMALL_HYBRID, "training.cuda_graphs=true"])
+    assert_same_training(eager, graphed)
+    assert graphed[3].replays == 0
+    assert sum("document lengths changed" in line for line in graphed[2]) == 1, graphed[2]
+
+
+@pytest.mark.gpu
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_run_says_why(tmp_path):
+    # fp32 experts take one product per expert, sized by counts read on the host: not capturable.
+    moe = [
+        "model.hidden_size=128",
+        "model.decoder.num_blocks=2",
+        "model.embeddings.vocab_size=512",
+        "model.decoder.block.mixer.heads=4",
+        "model.decoder.block.mixer.head_groups=2",
+        "model.decoder.block.mlp={type: moe, experts: 4, experts_per_token: 2, intermediate_size: 64}",
+        "distributed.compute_dtype=fp32",
+        "data.sequence_length=256",
+        "data.micro_batch_size=2",
+        "data.min_document_length=256",
+        f"training.train_iters={STEPS}",
+    ]
+    eager = train(tmp_path, "eager", moe, example="gpu.yaml")
+    graphed = train(tmp_path, "graphed", [*moe, "training.cuda_graphs=true"], example="gpu.yaml")
+    assert_same_training(eager, graphed)
+    assert graphed[3].replays == 0
+    told = [line for line in graphed[2] if "cannot be captured" in line]
+    assert len(told) == 1 and "training.cuda_graphs=false" in told[0], graphed[2]
+
+
+def test_cuda_graphs_off_a_gpu_is_a_usage_error(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {hidden_size: 32, embeddings: {vocab_size: 64}, decoder: {type: fixed, num_blocks: 1, block: "
+        "{mixer: {type: attention, heads: 2, head_size: 16}, mlp: {type: mlp, intermediate_size: 64}}}}\n"
+        "data: {type: random, sequence_length: 16, micro_batch_size: 2}\n"
+        f"training: {{train_iters: 2, cuda_graphs: true, output_dir: {tmp_path / 'run'}}}\n"
+    )
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for runs on the CPU")
+    code = main(["train", str(config)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "training.cuda_graphs needs a CUDA device" in captured.err
+    assert "Traceback" not in captured.err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step_*"))
