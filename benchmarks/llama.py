@@ -122,7 +122,7 @@ class Suite:
         tokens = self.tokens(case)
         config = ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1])
         model, optimizer = ours.build(config)
-        timing = self.time(ours.bare_step(model, optimizer, tokens))
+        timing = self.time(ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)))
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
         return timing
 

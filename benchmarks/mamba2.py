@@ -122,8 +122,9 @@ class Suite:
 
     def ours_lm(self, case: str, setting: str) -> harness.Timing:
         tokens = self.tokens(case)
-        model, optimizer = ours.build(ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1]))
-        timing = self.time(ours.bare_step(model, optimizer, tokens))
+        config = ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1])
+        model, optimizer = ours.build(config)
+        timing = self.time(ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)))
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
         return timing
 

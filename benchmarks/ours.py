@@ -79,6 +79,10 @@ def build(config):
     return model, optimizer_class(config.training.optimizer, model.parameters())
 
 
+def uses_cuda_graphs(config) -> bool:
+    return getattr(config.training, "cuda_graphs", False)
+
+
 def next_token_labels(tokens: torch.Tensor) -> torch.Tensor:
     """Labels of `[rows, length]` tokens packed row after row: each token's next one in its row, -100 at a row's end
     (what transformers' `labels=input_ids` computes: rows × (length - 1) predictions)."""
@@ -87,22 +91,37 @@ def next_token_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels.flatten()
 
 
-def bare_step(model, optimizer, tokens: torch.Tensor):
+def bare_step(model, optimizer, tokens: torch.Tensor, *, cuda_graphs: bool = False):
     """One optimizer step of `model` on `tokens` `[rows, length]` (one document per row) without the trainer: the
-    loss, the backward pass, the optimizer. Returns a function that runs it and returns the mean loss (a tensor)."""
+    loss, the backward pass, the optimizer. Returns a function that runs it and returns the mean loss (a tensor).
+    `cuda_graphs` (the setting's `training.cuda_graphs`): the loss and backward pass replayed as one CUDA graph,
+    through the Trainer's `StepGraph`."""
     from blockzoo.layers.base import Batch
+    from blockzoo.training.step import PlacedMicroBatch
 
     rows, length = tokens.shape
     flat, labels = tokens.flatten(), next_token_labels(tokens)
     labelled = rows * (length - 1)
 
-    def step() -> torch.Tensor:
+    def gradients(micro_batches):
+        (micro,) = micro_batches
         optimizer.zero_grad(set_to_none=True)
-        cross_entropy, losses = model.loss(flat, labels, Batch([length] * rows, device=tokens.device))
+        cross_entropy, losses = model.loss(micro.tokens, micro.labels, micro.batch)
         total = cross_entropy / labelled + sum(losses.values(), torch.zeros((), device=tokens.device))
         total.backward()
+        return (cross_entropy.detach() / labelled).reshape(1), ()
+
+    if cuda_graphs:
+        try:
+            from blockzoo.training.graphs import StepGraph
+        except ImportError:
+            raise Absent("blockzoo.training.graphs is absent: no CUDA graphs here") from None
+        gradients = StepGraph(gradients, list(model.parameters()), print)
+
+    def step() -> torch.Tensor:
+        values, _ = gradients([PlacedMicroBatch(flat, labels, Batch([length] * rows, device=tokens.device))])
         optimizer.step()
-        return cross_entropy.detach() / labelled
+        return values[0]
 
     return step
 

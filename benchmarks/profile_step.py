@@ -70,7 +70,7 @@ def profile_bare(config, arguments) -> None:
     tokens = ours.random_tokens(
         config.data.micro_batch_size, config.data.sequence_length, config.model.embeddings.vocab_size, "cuda"
     )
-    step = ours.bare_step(model, optimizer, tokens)
+    step = ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config))
     for _ in range(arguments.warmup):
         step()
     torch.cuda.synchronize()
@@ -183,7 +183,8 @@ def trainer_phases(config_path, overrides, arguments) -> None:
         config.data.micro_batch_size, config.data.sequence_length, config.model.embeddings.vocab_size, device
     )
     timing = harness.time_steps(
-        ours.bare_step(model, optimizer, tokens), warmup=arguments.warmup, steps=arguments.steps, device=device
+        ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)),
+        warmup=arguments.warmup,, steps=arguments.steps, device=device
     )
     bare = harness.percentile(timing.times_s, 0.5)
     print(f"## bare step (median between CUDA events): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")

@@ -164,7 +164,7 @@ class Suite:
         tokens = ours.random_tokens(
             config.data.micro_batch_size, config.data.sequence_length, config.model.embeddings.vocab_size, self.device
         )
-        step = ours.bare_step(model, optimizer, tokens)
+        step = ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config))
         return harness.time_steps(step, warmup=self.arguments.warmup, steps=self.arguments.steps, device=self.device)
 
 

@@ -380,3 +380,27 @@ def test_kernels_suite_runs_a_case_of_each_kind(tmp_path):
 def test_trainer_suite_times_the_trainer_and_the_bare_step(tmp_path):
     found = statuses(run_suite(tmp_path, "trainer", "--cases", "gpu", "--ours", "compile=none", "--log-interval", "1"))
     assert found == {("gpu", "Trainer (compile=none)"): "ok", ("gpu", "bare step (compile=none)"): "ok"}
+
+
+def test_memory_step_replays_the_trace_to_its_peak_and_names_who_allocated():
+    from benchmarks.memory_step import peak_contents
+
+    def frames(line):
+        return [
+            {"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/repo/mixers/mamba_2.py", "line": line, "name": "forward"},
+        ]
+
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(10)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames(20)},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": frames(20)},
+        {"action": "alloc", "addr": 4, "size": 90, "frames": frames(30)},  # the peak: 50 + 30 + 90
+        {"action": "free_completed", "addr": 4, "size": 90},
+        {"action": "alloc", "addr": 5, "size": 10, "frames": frames(10)},
+    ]
+    peak, contents = peak_contents(trace)
+    assert peak == 170
+    assert contents == [("mixers/mamba_2.py:30 forward", 90, 1), ("mixers/mamba_2.py:20 forward", 80, 2)]

@@ -47,7 +47,9 @@ def assert_same_training(eager, graphed, *, rtol=1e-4, atol=1e-5):
     graphed_losses, graphed_weights, *_ = graphed
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
     for name, weight in eager_weights.items():
-        torch.testing.assert_close(graphed_weights[name], weight, rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(
+            graphed_weights[name], weight, rtol=rtol, atol=atol, msg=lambda message, name=name: f"{name}: {message}"
+        )
 
 
 @pytest.mark.gpu

@@ -164,6 +164,13 @@ class Batch:
         self.statistics: dict[str, StatisticsLoss] = {}
         self._preprocessed: dict[Hashable, Any] = {}
 
+    def clear_forward_state(self) -> None:
+        """Forget what a forward pass left on this batch (its losses, statistics and preprocessed tensors), to run
+        one again from the start: after a CUDA graph capture that stopped midway, whose tensors hold no values."""
+        self.losses.clear()
+        self.statistics.clear()
+        self._preprocessed.clear()
+
     @classmethod
     def from_documents(cls, documents: Sequence[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Batch]:
         """Concatenate token tensors into one packed tensor and its batch."""

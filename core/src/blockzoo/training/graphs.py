@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from blockzoo.layers.base import Batch
 from blockzoo.training.step import PlacedMicroBatch
 
 Figures = tuple[torch.Tensor, tuple[str, ...]]
@@ -34,10 +35,13 @@ def signature(micro_batches: Sequence[PlacedMicroBatch]) -> tuple:
     documents (lengths, and the tokens a slice's first piece continues)."""
     found = []
     for micro in micro_batches:
-        batches = micro.batch if isinstance(micro.batch, tuple) else (micro.batch,)
-        pieces = tuple((tuple(batch.host_lengths.tolist()), batch.continued) for batch in batches)
+        pieces = tuple((tuple(batch.host_lengths.tolist()), batch.continued) for batch in _batches(micro))
         found.append((micro.tokens.shape[0], pieces))
     return tuple(found)
+
+
+def _batches(micro: PlacedMicroBatch) -> tuple[Batch, ...]:
+    return micro.batch if isinstance(micro.batch, tuple) else (micro.batch,)
 
 
 class StepGraph:
@@ -91,22 +95,28 @@ class StepGraph:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 figures = self._compute(micro_batches)
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the step runs eagerly
-            self._failed = True
-            del graph
-            self._clear_gradients()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            self._log(
-                f"training.cuda_graphs: the step cannot be captured as a CUDA graph ({type(error).__name__}: "
-                f"{reason[:300]}); the run goes on without graphs (set training.cuda_graphs=false to skip trying)"
-            )
-            return self._compute(micro_batches)
-        self._graph = graph
-        self._captured = (key, micro_batches, figures)
-        graph.replay()  # capturing queued nothing: this step's work
-        self.replays += 1
-        return figures[0].clone(), figures[1]
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            failure = f"{type(error).__name__}: {reason[:300]}"
+        else:
+            self._graph = graph
+            self._captured = (key, micro_batches, figures)
+            graph.replay()  # capturing queued nothing: this step's work
+            self.replays += 1
+            return figures[0].clone(), figures[1]
+        # Out of the `except`, whose traceback would keep the half-captured pass alive.
+        self._failed = True
+        del graph
+        self._clear_gradients()
+        for micro in micro_batches:  # the half-captured pass left tensors without values on the batches
+            for batch in _batches(micro):
+                batch.clear_forward_state()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._log(
+            f"training.cuda_graphs: the step cannot be captured as a CUDA graph ({failure}); the run goes on "
+            "without graphs (set training.cuda_graphs=false to skip trying)"
+        )
+        return self._compute(micro_batches)
 
     def _release(self) -> None:
         """Drop the graph, its memory and the gradients in it."""
