@@ -1,13 +1,14 @@
 """Where a training step's memory goes: the bare step of a suite's model, its peak taken apart.
 
     python benchmarks/memory_step.py [mamba2 | llama | CONFIG.yaml] [--rows 4] [--length 4096]
-        [--ours SETTING] [--warmup 2] [--top 20]
+        [--ours SETTING] [--warmup 2] [--top 20] [--time-steps N]
 
 After `--warmup` steps (autotuning, compilation) it runs one more step of `benchmarks/ours.py`'s bare step in three
 parts (forward with the loss, backward, optimizer), printing the memory held before the step (weights, optimizer
 state) and each part's peak; with the CUDA allocator's history recorded through that step, it replays the
 allocations to the step's peak and prints what was alive then, grouped by the line of Python that allocated it
-(the innermost frame outside torch), largest first. The timing suites say how much; this says what.
+(the innermost frame outside torch; inside a compiled block, a line of the compiler's generated code), largest
+first. `--time-steps N` then times N steps (the median). The timing suites say how much; this says what.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main(argv=None) -> None:
     command.add_argument("--ours", default="compile=blocks,recompute=selective", help="a setting (benchmarks/ours.py)")
     command.add_argument("--warmup", type=int, default=2)
     command.add_argument("--top", type=int, default=20)
+    command.add_argument("--time-steps", type=int, default=0, help="then time this many steps (median ms, tokens/s)")
     arguments = command.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/memory_step.py needs a CUDA device")
@@ -133,6 +135,11 @@ def main(argv=None) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
     for name, value in figures.items():
         print(f"{name:>22}: {value:7.2f} GiB")
+    if arguments.time_steps:
+        timing = harness.time_steps(step, warmup=0, steps=arguments.time_steps, device=torch.device("cuda"))
+        median = harness.percentile(timing.times_s, 0.5)
+        speed = tokens.numel() / median
+        print(f"{'step':>22}: {median * 1e3:7.2f} ms (median of {arguments.time_steps}), {speed:,.0f} tokens/s")
     peak, contents = peak_contents(trace)
     print(f"\n# the step's own allocations at their peak: {peak / GIB:.2f} GiB (over what was held before the step)")
     for name, size, blocks in contents[: arguments.top]:

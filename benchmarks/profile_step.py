@@ -184,7 +184,9 @@ def trainer_phases(config_path, overrides, arguments) -> None:
     )
     timing = harness.time_steps(
         ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)),
-        warmup=arguments.warmup,, steps=arguments.steps, device=device
+        warmup=arguments.warmup,
+        steps=arguments.steps,
+        device=device,
     )
     bare = harness.percentile(timing.times_s, 0.5)
     print(f"## bare step (median between CUDA events): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")

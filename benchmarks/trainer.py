@@ -9,7 +9,8 @@ Trainer (`blockzoo.training.trainer.Trainer` in this process: `warmup + steps` s
 `--log-interval` steps (the host reads the device at those only), output under a temporary directory, its one
 checkpoint at the end, after the timing) is timed from its log lines (each step: its interval's mean; the first
 call's excess: the first interval's time less the median of the others' steps), and the
-bare step (build, `parallelize`, optimizer, loss, backward, step; no data pipeline, no clipping, no logging) on
+bare step (build, `parallelize`, optimizer, loss, backward, step; no data pipeline, no clipping, no logging;
+under `cuda_graphs=true` its loss and backward pass replayed as one CUDA graph, as the Trainer's) on
 random tokens of the same shape, one document per row in both (the Trainer's random dataset told so). Both take
 their model from the same seed. MFU as the Trainer reports it: the
 layers' own FLOP counts over 989 TFLOP/s. Targets (issue 11): Trainer overhead ≤ 3% of the bare step (speed ratio

@@ -42,21 +42,37 @@ def train(tmp_path: Path, name: str, overrides: list[str], example: str = "gpu_h
     return [record.loss for record in history], weights, lines, graph
 
 
-def assert_same_training(eager, graphed, *, rtol=1e-4, atol=1e-5):
-    eager_losses, eager_weights, *_ = eager
-    graphed_losses, graphed_weights, *_ = graphed
-    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=rtol, atol=atol)
-    for name, weight in eager_weights.items():
+def assert_same_training(graphed, eager, eager_again, *, rtol=1e-4, atol=1e-5):
+    """The graphed run's losses and weights are the eager run's: within `rtol`/`atol`, or where two eager runs differ
+    from each other (kernels that add up in a varying order: varlen attention's backward), within three times that."""
+
+    def check(actual, expected, again, name):
+        spread = (again - expected).abs().max().item()
+        worst = (actual - expected).abs().max().item()
+        if worst <= 3 * spread:
+            return
         torch.testing.assert_close(
-            graphed_weights[name], weight, rtol=rtol, atol=atol, msg=lambda message, name=name: f"{name}: {message}"
+            actual,
+            expected,
+            rtol=rtol,
+            atol=atol,
+            msg=lambda message: f"{name} (eager runs differ by {spread:.3g}): {message}",
         )
+
+    check(*(torch.tensor(run[0]) for run in (graphed, eager, eager_again)), "losses")
+    for name in eager[1]:
+        check(graphed[1][name], eager[1][name], eager_again[1][name], name)
+
+
+def train_eagerly_twice(tmp_path: Path, overrides: list[str], **options):
+    return train(tmp_path, "eager", overrides, **options), train(tmp_path, "eager_again", overrides, **options)
 
 
 @pytest.mark.gpu
 def test_graphed_steps_train_as_the_eager_steps_do(tmp_path):
-    eager = train(tmp_path, "eager", SMALL_HYBRID + WHOLE_ROWS)
+    eager = train_eagerly_twice(tmp_path, SMALL_HYBRID + WHOLE_ROWS)
     graphed = train(tmp_path, "graphed", [*SMALL_HYBRID, *WHOLE_ROWS, "training.cuda_graphs=true"])
-    assert_same_training(eager, graphed)
+    assert_same_training(graphed, *eager)
     # The first step runs eagerly, the second is captured and replayed, every later one replayed.
     assert graphed[3].replays == STEPS - 1
     assert not any("cuda_graphs" in line for line in graphed[2]), graphed[2]
@@ -65,17 +81,17 @@ def test_graphed_steps_train_as_the_eager_steps_do(tmp_path):
 @pytest.mark.gpu
 def test_graphed_steps_under_compiled_blocks_and_recomputation(tmp_path):
     settings = [*SMALL_HYBRID, *WHOLE_ROWS, "training.compile=blocks", "training.recompute=selective"]
-    eager = train(tmp_path, "eager", settings)
+    eager = train_eagerly_twice(tmp_path, settings)
     graphed = train(tmp_path, "graphed", [*settings, "training.cuda_graphs=true"])
-    assert_same_training(eager, graphed)
+    assert_same_training(graphed, *eager)
     assert graphed[3].replays == STEPS - 1
 
 
 @pytest.mark.gpu
 def test_documents_of_changing_lengths_run_eagerly_and_the_run_says_so(tmp_path):
-    eager = train(tmp_path, "eager", SMALL_HYBRID)  # the random dataset's documents of random lengths
+    eager = train_eagerly_twice(tmp_path, SMALL_HYBRID)  # the random dataset's documents of random lengths
     graphed = train(tmp_path, "graphed", [*SMALL_HYBRID, "training.cuda_graphs=true"])
-    assert_same_training(eager, graphed)
+    assert_same_training(graphed, *eager)
     assert graphed[3].replays == 0
     assert sum("document lengths changed" in line for line in graphed[2]) == 1, graphed[2]
 
@@ -96,9 +112,9 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_run_says_why(tmp_pa
         "data.min_document_length=256",
         f"training.train_iters={STEPS}",
     ]
-    eager = train(tmp_path, "eager", moe, example="gpu.yaml")
+    eager = train_eagerly_twice(tmp_path, moe, example="gpu.yaml")
     graphed = train(tmp_path, "graphed", [*moe, "training.cuda_graphs=true"], example="gpu.yaml")
-    assert_same_training(eager, graphed)
+    assert_same_training(graphed, *eager)
     assert graphed[3].replays == 0
     told = [line for line in graphed[2] if "cannot be captured" in line]
     assert len(told) == 1 and "training.cuda_graphs=false" in told[0], graphed[2]
