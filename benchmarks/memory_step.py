@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     for name, value in figures.items():
         print(f"{name:>22}: {value:7.2f} GiB")
     if arguments.time_steps:
-        timing = harness.time_steps(step, warmup=0, steps=arguments.time_steps, device=torch.device("cuda"))
+        timing = harness.time_steps(step, warmup=1, steps=arguments.time_steps, device=torch.device("cuda"))
         median = harness.percentile(timing.times_s, 0.5)
         speed = tokens.numel() / median
         print(f"{'step':>22}: {median * 1e3:7.2f} ms (median of {arguments.time_steps}), {speed:,.0f} tokens/s")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +19,6 @@ ACTIVATIONS = (None, "silu")
 # What the Triton kernels take: channels a multiple of 8 (16-byte aligned rows), up to 8 taps, these dtypes.
 KERNEL_MAX_TAPS = 8
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Experimental (BLOCKZOO_CONV_UNDER_COMPILE=torch): inside a compiled block, the torch ops of `shifted_causal_conv1d`
-# instead of the kernels, so the compiler may recompute the output in the backward pass rather than keep it.
-TORCH_UNDER_COMPILE = os.environ.get("BLOCKZOO_CONV_UNDER_COMPILE", "triton") == "torch"
 
 
 def causal_conv1d(
@@ -50,8 +46,6 @@ def causal_conv1d(
     """
     _check(x, weight, bias, batch, activation, state, initial)
     if uses_triton_kernel(x, weight, state):
-        if initial is None and TORCH_UNDER_COMPILE and torch.compiler.is_compiling():
-            return shifted_causal_conv1d(x, weight, bias, positions_in_batch(batch), activation=activation)
         return triton_causal_conv1d(x, weight, bias, batch, activation=activation, initial=initial)
     kernel_size = weight.shape[1]
     # cuDNN's depthwise conv accumulates in fp32 whatever the dtype; the CPU's accumulates in the dtype, so fp32.
