@@ -30,6 +30,8 @@ SMALL_HYBRID = [
     "training.schedule.warmup_iters=2",
 ]
 WHOLE_ROWS = ["data.min_document_length=512"]
+# The most one AdamW step moves a weight (about): the example's learning rate.
+LEARNING_RATE = load(RunConfig, EXAMPLES / "gpu_hybrid.yaml").training.optimizer.learning_rate
 
 
 def train(tmp_path: Path, name: str, overrides: list[str], example: str = "gpu_hybrid.yaml"):
@@ -42,11 +44,12 @@ def train(tmp_path: Path, name: str, overrides: list[str], example: str = "gpu_h
     return [record.loss for record in history], weights, lines, graph
 
 
-def assert_same_training(graphed, eager, eager_again, *, rtol=1e-4, atol=1e-5):
-    """The graphed run's losses and weights are the eager run's: within `rtol`/`atol`, or where two eager runs differ
-    from each other (kernels that add up in a varying order: varlen attention's backward), within three times that."""
+def assert_same_training(graphed, eager, eager_again, *, rtol=1e-4, atol=1e-5, weight_atol=None):
+    """The graphed run's losses and weights are the eager run's: within `rtol`/`atol` (the weights: `weight_atol`
+    if given), or where two eager runs differ from each other (kernels that add up in a varying order: varlen
+    attention's backward), within three times that."""
 
-    def check(actual, expected, again, name):
+    def check(actual, expected, again, name, atol=atol):
         spread = (again - expected).abs().max().item()
         worst = (actual - expected).abs().max().item()
         if worst <= 3 * spread:
@@ -61,7 +64,7 @@ def assert_same_training(graphed, eager, eager_again, *, rtol=1e-4, atol=1e-5):
 
     check(*(torch.tensor(run[0]) for run in (graphed, eager, eager_again)), "losses")
     for name in eager[1]:
-        check(graphed[1][name], eager[1][name], eager_again[1][name], name)
+        check(graphed[1][name], eager[1][name], eager_again[1][name], name, atol=weight_atol or atol)
 
 
 def train_eagerly_twice(tmp_path: Path, overrides: list[str], **options):
@@ -91,7 +94,10 @@ def test_graphed_steps_under_compiled_blocks_and_recomputation(tmp_path):
 def test_documents_of_changing_lengths_run_eagerly_and_the_run_says_so(tmp_path):
     eager = train_eagerly_twice(tmp_path, SMALL_HYBRID)  # the random dataset's documents of random lengths
     graphed = train(tmp_path, "graphed", [*SMALL_HYBRID, "training.cuda_graphs=true"])
-    assert_same_training(graphed, *eager)
+    # Every step runs eagerly, so only the varlen attention's order of additions differs, and AdamW turns that
+    # rounding on a near-zero gradient into up to a whole update: on the H200 two eager runs differed by 8.6e-6 and
+    # the graphed one by 1.9e-4 in one embedding (the same element on two machines), under one step's size.
+    assert_same_training(graphed, *eager, weight_atol=LEARNING_RATE)
     assert graphed[3].replays == 0
     assert sum("document lengths changed" in line for line in graphed[2]) == 1, graphed[2]
 
