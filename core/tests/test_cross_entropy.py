@@ -249,3 +249,46 @@ def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory(monke
             for compiled, (seconds, peak) in results.items()
         )
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_compiled_paths_pointwise_one_hot_is_the_scatter(dtype):
+    # The compiled path subtracts the one-hot by comparison (no fp32 rows materialized), the eager one by a scatter.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator).to(dtype)
+    targets = torch.randint(0, 300, (64,), generator=generator)
+    targets[::5] = -1  # not among this rank's columns
+    labelled = torch.ones(64, dtype=torch.bool)
+    labelled[::7] = False  # ignored: a zero row (its target is -1, as `_chunked` makes it)
+    targets[~labelled] = -1
+    scattered = cross_entropy._loss_and_gradient(logits, targets, labelled)
+    compared = cross_entropy._loss_and_gradient(logits, targets, labelled, pointwise=True)
+    for expected, actual in zip(scattered, compared):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert compared[2].dtype == dtype and not compared[2][::7].any()
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_chunk_holds_no_fp32_rows():
+    """The compiled loss and gradient of one chunk (8192 tokens of a 50288 vocabulary, bf16 logits) allocates its
+    bf16 gradient and per-token figures only: no fp32 [tokens, vocab] buffer (2× the gradient), which the eager
+    scatter's formulation makes the compiler keep."""
+    device = torch.device("cuda")
+    tokens, vocab = 8192, 50288
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(tokens, vocab, device=device, generator=generator).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    labelled = torch.ones(tokens, dtype=torch.bool, device=device)
+    _, _, loss_and_gradient = cross_entropy._elementwise(device)
+    expected = cross_entropy._loss_and_gradient(logits, targets, labelled)
+    loss_and_gradient(logits, targets, labelled)  # compiles
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lse, target, gradient = loss_and_gradient(logits, targets, labelled)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    assert peak < 1.25 * gradient.numel() * gradient.element_size(), peak / 2**30
+    torch.testing.assert_close(lse, expected[0])
+    torch.testing.assert_close(target, expected[1])
+    torch.testing.assert_close(gradient, expected[2])
