@@ -95,8 +95,8 @@ class StepGraph:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 figures = self._compute(micro_batches)
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the step runs eagerly
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            failure = f"{type(error).__name__}: {reason[:300]}"
+            reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            failure = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
         else:
             self._graph = graph
             self._captured = (key, micro_batches, figures)
