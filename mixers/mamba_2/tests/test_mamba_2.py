@@ -217,7 +217,8 @@ def _changes_something(change: dict, base: LayerSignature) -> bool:
 
 
 def test_every_field_changes_parameters_or_outputs():
-    assert {field.name for field in attrs.fields(Mamba2Config)} == {*FIELD_CHANGES, "chunk_size"}, "a field untested"
+    exempt = {"chunk_size", "recompute_convolution"}  # each tested below: neither changes the result
+    assert {field.name for field in attrs.fields(Mamba2Config)} == {*FIELD_CHANGES, *exempt}, "a field untested"
     nested = {(owner, field.name) for owner, cls in _NESTED for field in attrs.fields(cls)}
     assert nested == set(NESTED_CHANGES), "a nested field untested"
     base = layer_signature(build(FIELD_BASE), LENGTHS)
@@ -261,6 +262,30 @@ def test_chunk_size_reaches_the_scan_and_changes_only_rounding(monkeypatch):
     assert seen == [2, 3, 256]
     for output in outputs[1:]:
         torch.testing.assert_close(output, outputs[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_recompute_convolution_takes_the_convolved_scan_and_changes_nothing(case, monkeypatch):
+    """With the option the mixer's convolution and scan go through `convolved_ssd_scan` (here its two-step path:
+    on the GPU the memory differs, core/tests/test_conv_scan.py); outputs and gradients are the plain mixer's."""
+    calls = []
+    convolved = mamba_2_module.convolved_ssd_scan
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["chunk_size"])
+        return convolved(*args, **kwargs)
+
+    monkeypatch.setattr(mamba_2_module, "convolved_ssd_scan", recording)
+    results = []
+    for recompute in (False, True):
+        layer = build({**CASES[case], "recompute_convolution": recompute})
+        hidden, weights = layer_inputs(sum(LENGTHS))
+        hidden.requires_grad_()
+        (layer(hidden, Batch(LENGTHS)) * weights).sum().backward()
+        results.append([hidden.grad, *(parameter.grad for parameter in layer.parameters())])
+    assert calls == [CASES[case]["chunk_size"]]
+    for found, expected in zip(*reversed(results), strict=True):
+        torch.testing.assert_close(found, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_in_proj_components_are_honoured_for_their_rows():

@@ -1,7 +1,9 @@
 """The Mamba 2 mixer on CUDA (the SSD scan through mamba_ssm's Triton kernels when installed, the time step computed
 inside it; the convolution through blockzoo's Triton kernels) against the same mixer on the CPU path in fp32:
 outputs and gradients over packed documents, and bf16 within a loose tolerance; decoding on CUDA (the state path)
-against the full forward (the kernel path); each output-norm variant. Run on a GPU machine (skipped without CUDA).
+against the full forward (the kernel path); each output-norm variant; and with `recompute_convolution` (the
+convolution recomputed in the backward pass, `blockzoo.ssm.convolved_ssd_scan`) against the same CPU path. Run on
+a GPU machine (skipped without CUDA).
 
 Tolerances are relative errors ‖x − reference‖ / ‖reference‖ (those of core/tests/test_ssm_gpu.py): fp32 5e-3 for
 outputs and 1e-2 for gradients (mamba_ssm's kernels multiply fp32 in TF32, about 1e-3 each), bf16 3e-2 and 5e-2
@@ -79,9 +81,11 @@ DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_matches_the_cpu_path(case, dtype):
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute_convolution"])
+def test_cuda_matches_the_cpu_path(case, dtype, recompute):
+    config = {**CASES[case], "recompute_convolution": recompute}  # the CPU reference: the plain path
     check_matches_layer(
-        build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN),
+        build(config, single_process(SEED, backend="nccl"), hidden=HIDDEN),
         build(CASES[case], hidden=HIDDEN),
         lengths=LENGTHS,
         dtype=dtype,

@@ -2,8 +2,10 @@
 
     from blockzoo.ssm import causal_conv1d, gated_rms_norm, ssd_scan, selective_scan
 
-and their versions over one slice of longer sequences (micro-sequences, sequence-data parallelism), which take the
-previous slice's carry and return the next one's: `causal_conv1d_slice`, `ssd_scan_slice`, `selective_scan_slice`
+`convolved_ssd_scan` (the Mamba 2 convolution and scan in one, the convolution recomputed in the backward pass
+on the GPU kernels), and their versions over one slice of longer sequences (micro-sequences, sequence-data
+parallelism), which take the previous slice's carry and return the next one's: `causal_conv1d_slice`,
+`ssd_scan_slice`, `selective_scan_slice`
 (`SSMCarry` holds a mixer's carry; the exchanges over a sequence-data group are in `blockzoo.ssm.state_passing`).
 
 All work on packed documents (`blockzoo.api.Batch`), never carrying state across a document boundary, and have a
@@ -31,6 +33,8 @@ from blockzoo.ssm.config import (
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "causal_conv1d": "blockzoo.ssm.conv",
+    "convolved_ssd_scan": "blockzoo.ssm.conv_scan",
+    "ScanLayout": "blockzoo.ssm.conv_scan",
     "CausalConvolution": "blockzoo.ssm.layers",
     "gated_rms_norm": "blockzoo.ssm.norm",
     "ssd_scan": "blockzoo.ssm.scan",

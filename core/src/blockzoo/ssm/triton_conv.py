@@ -222,79 +222,88 @@ def _launch(plain, autotuned, grid, *arguments, **constants) -> None:
         plain[grid](*arguments, **constants, **_INTERPRETER_CONFIG)
 
 
+def conv_forward(x, weight, bias, positions, silu: bool) -> torch.Tensor:
+    """y [tokens, channels] in x's dtype (see `causal_conv1d_triton`), not differentiable: the kernel alone."""
+    tokens, channels = x.shape
+    y = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
+    if tokens > 0:
+
+        def grid(meta):
+            return triton.cdiv(tokens, meta["BLOCK_T"]), triton.cdiv(channels, meta["BLOCK_C"])
+
+        _launch(
+            _conv_forward_kernel,
+            _forward_autotuned,
+            grid,
+            x,
+            weight,
+            weight if bias is None else bias,
+            positions,
+            y,
+            tokens,
+            channels,
+            x.stride(0),
+            KERNEL_SIZE=weight.shape[1],
+            HAS_BIAS=bias is not None,
+            SILU=silu,
+        )
+    return y
+
+
+def conv_backward(x, weight, bias, positions, silu: bool, dy: torch.Tensor) -> tuple:
+    """(dx, dweight, dbias or None) of `conv_forward`'s y given its gradient `dy`, each in its input's dtype."""
+    tokens, channels = x.shape
+    kernel_size = weight.shape[1]
+    if dy.stride(1) != 1:
+        dy = dy.contiguous()
+    rows_per_program = ROWS_PER_PROGRAM if x.is_cuda else _INTERPRETER_ROWS_PER_PROGRAM
+    programs = triton.cdiv(tokens, rows_per_program)
+    dx = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
+    dweight_partial = torch.empty((programs, channels, kernel_size), dtype=torch.float32, device=x.device)
+    dbias_partial = torch.empty((programs, channels), dtype=torch.float32, device=x.device)
+    if tokens > 0:
+
+        def grid(meta):
+            return programs, triton.cdiv(channels, meta["BLOCK_C"])
+
+        _launch(
+            _conv_backward_kernel,
+            _backward_autotuned,
+            grid,
+            x,
+            weight,
+            weight if bias is None else bias,
+            positions,
+            dy,
+            dx,
+            dweight_partial,
+            dbias_partial,
+            tokens,
+            channels,
+            x.stride(0),
+            dy.stride(0),
+            KERNEL_SIZE=kernel_size,
+            HAS_BIAS=bias is not None,
+            SILU=silu,
+            TAPS=triton.next_power_of_2(kernel_size),
+            ROWS=rows_per_program,
+        )
+    dweight = dweight_partial.sum(0).to(weight.dtype)
+    dbias = None if bias is None else dbias_partial.sum(0).to(bias.dtype)
+    return dx, dweight, dbias
+
+
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, positions, silu):
-        tokens, channels = x.shape
-        kernel_size = weight.shape[1]
-        y = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
-        if tokens > 0:
-
-            def grid(meta):
-                return triton.cdiv(tokens, meta["BLOCK_T"]), triton.cdiv(channels, meta["BLOCK_C"])
-
-            _launch(
-                _conv_forward_kernel,
-                _forward_autotuned,
-                grid,
-                x,
-                weight,
-                weight if bias is None else bias,
-                positions,
-                y,
-                tokens,
-                channels,
-                x.stride(0),
-                KERNEL_SIZE=kernel_size,
-                HAS_BIAS=bias is not None,
-                SILU=silu,
-            )
         ctx.save_for_backward(x, weight, bias, positions)
         ctx.silu = silu
-        return y
+        return conv_forward(x, weight, bias, positions, silu)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, positions = ctx.saved_tensors
-        tokens, channels = x.shape
-        kernel_size = weight.shape[1]
-        if dy.stride(1) != 1:
-            dy = dy.contiguous()
-        rows_per_program = ROWS_PER_PROGRAM if x.is_cuda else _INTERPRETER_ROWS_PER_PROGRAM
-        programs = triton.cdiv(tokens, rows_per_program)
-        dx = torch.empty((tokens, channels), dtype=x.dtype, device=x.device)
-        dweight_partial = torch.empty((programs, channels, kernel_size), dtype=torch.float32, device=x.device)
-        dbias_partial = torch.empty((programs, channels), dtype=torch.float32, device=x.device)
-        if tokens > 0:
-
-            def grid(meta):
-                return programs, triton.cdiv(channels, meta["BLOCK_C"])
-
-            _launch(
-                _conv_backward_kernel,
-                _backward_autotuned,
-                grid,
-                x,
-                weight,
-                weight if bias is None else bias,
-                positions,
-                dy,
-                dx,
-                dweight_partial,
-                dbias_partial,
-                tokens,
-                channels,
-                x.stride(0),
-                dy.stride(0),
-                KERNEL_SIZE=kernel_size,
-                HAS_BIAS=bias is not None,
-                SILU=ctx.silu,
-                TAPS=triton.next_power_of_2(kernel_size),
-                ROWS=rows_per_program,
-            )
-        dweight = dweight_partial.sum(0).to(weight.dtype)
-        dbias = None if bias is None else dbias_partial.sum(0).to(bias.dtype)
-        return dx, dweight, dbias, None, None
+        return *conv_backward(x, weight, bias, positions, ctx.silu, dy), None, None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

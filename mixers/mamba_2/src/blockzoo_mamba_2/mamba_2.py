@@ -38,7 +38,9 @@ from blockzoo.ssm import (
     ALogRangeInitializationConfig,
     CausalConvolution,
     DtBiasInitializationConfig,
+    ScanLayout,
     SSMCarry,
+    convolved_ssd_scan,
     gated_rms_norm,
     ssd_scan,
     ssd_scan_slice,
@@ -124,7 +126,8 @@ class Mamba2(Mixer):
         # (local size, multiplier) of each component, in in_proj's output order; none when all are 1.
         multipliers = [config.in_proj_multipliers.get(role, 1.0) for role in IN_PROJ_COMPONENTS]
         self._in_proj_scale = [] if set(multipliers) == {1.0} else list(zip(sizes.values(), multipliers))
-        self._xbc_sizes = [dim.local_size(tensor_size) for dim in convolution_dim.dims]
+        xbc_sizes = tuple(dim.local_size(tensor_size) for dim in convolution_dim.dims)
+        self._layout = ScanLayout(xbc_sizes, config.head_size, config.state_size)  # x‖B‖C → the scan's x, B, C
 
         linear = {
             "distributed": distributed,
@@ -171,6 +174,10 @@ class Mamba2(Mixer):
         if state is not None:
             self._check_state(state, batch)
         z, xbc, dt = self._project(hidden)
+        if state is None and self.config.recompute_convolution:
+            weight, bias = self.convolution.weight, self.convolution.bias
+            y = convolved_ssd_scan(xbc, weight, bias, dt, self._a(), batch, self._layout, **self._scan_options())
+            return self._output(y, z)
         xbc = self.convolution(xbc, batch, activation="silu", state=None if state is None else state.convolution)
         y = ssd_scan(
             *self._scan_inputs(xbc, dt), batch, **self._scan_options(), state=None if state is None else state.ssm
@@ -205,16 +212,13 @@ class Mamba2(Mixer):
         return self.out_proj(y * F.silu(z) if self.normalization is None else self.normalization(y, z))
 
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(x, dt, A, B, C) of the scan; A = -exp(A_log) in fp32 whatever the compute dtype."""
-        config = self.config
-        x, b, c = xbc.split(self._xbc_sizes, dim=-1)
-        return (
-            x.unflatten(-1, (-1, config.head_size)),
-            dt,
-            -torch.exp(self.a_log.float()),
-            b.unflatten(-1, (-1, config.state_size)),
-            c.unflatten(-1, (-1, config.state_size)),
-        )
+        """(x, dt, A, B, C) of the scan."""
+        x, b, c = self._layout.split(xbc)
+        return x, dt, self._a(), b, c
+
+    def _a(self) -> torch.Tensor:
+        """A = -exp(A_log), in fp32 whatever the compute dtype."""
+        return -torch.exp(self.a_log.float())
 
     def _scan_options(self) -> dict:
         """The skip D and the time step clamp(softplus(dt + dt_bias)) (fp32; on CUDA the scan kernel computes it as
