@@ -251,6 +251,7 @@ def mamba_2_section(
             _grouped_norm(per_group),
             *norm_variant,
             Fixed(keys["activation"], "silu"),
+            Ignored(ours=("recompute_convolution",), reason="what the backward pass keeps: memory, not the result"),
             *extra,
         ),
         weights=_weights,
