@@ -25,9 +25,11 @@ LENGTHS = [9, 1, 6]
 
 
 def _hf_norm_is_per_group() -> bool:
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.mamba2 import modeling_mamba2
 
-    return "group_size" in inspect.signature(MambaRMSNormGated).parameters
+    # Mamba2RMSNormGated since transformers 5.25, MambaRMSNormGated before.
+    norm = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
+    return "group_size" in inspect.signature(norm).parameters
 
 
 CASES = {

@@ -52,6 +52,17 @@ def write_float(value: float) -> Any:
     return {_FLOAT_TAG: "Infinity"} if value == math.inf else value
 
 
+def transformers_release_at_least(release: tuple[int, int], version: str | None = None) -> bool:
+    """Whether transformers `version` (None: the installed one; none installed: the newest) is `release` or later."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return True
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    return found is None or (int(found[1]), int(found[2])) >= release
+
+
 def _time_step_limit(key: str) -> ConfigMapping:
     """`dt_limit` ↔ `time_step_limit` ([min, max], the time step is clamped to it)."""
 
@@ -69,24 +80,34 @@ def _time_step_limit(key: str) -> ConfigMapping:
     )
 
 
-def _nemotron_time_step_limit(data: Mapping[str, Any]) -> dict[str, Any]:
-    # transformers' NemotronH clamps the time step to [time_step_min, inf) and never reads `time_step_limit`.
+def _nemotron_time_step_min(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"dt_limit": (float(data.get("time_step_min", 1e-3)), math.inf)}
 
 
-def _nemotron_time_step_min(config: Mamba2Config) -> dict[str, Any]:
+def _nemotron_write_time_step_min(config: Mamba2Config) -> dict[str, Any]:
     low, high = config.dt_limit
     if high != math.inf:
         raise ConversionError(
-            f"`dt_limit` = {list(config.dt_limit)} cannot be written: NemotronH clamps the time step to "
-            "[time_step_min, inf), with no upper limit"
+            f"`dt_limit` = {list(config.dt_limit)} cannot be written: NemotronH (the installed transformers, before "
+            "5.25) clamps the time step to [time_step_min, inf), with no upper limit"
         )
     return {"time_step_min": low}
 
 
-NEMOTRON_TIME_STEP = Computed(
-    ("dt_limit",), ("time_step_min",), import_=_nemotron_time_step_limit, export=_nemotron_time_step_min
-)
+INITIALIZATION_ONLY = "they set the initialization of dt_bias, not what the model computes"
+
+
+# How transformers' NemotronH clamps the time step: to `time_step_limit` since 5.25 (its config also takes it as
+# `mamba_dt_limit`), `time_step_min` being only where dt's initialization starts; to [time_step_min, inf) before,
+# `time_step_limit` unread. Read and written as the installed transformers runs it.
+if transformers_release_at_least((5, 25)):
+    NEMOTRON_TIME_STEP = _time_step_limit("time_step_limit")
+    NEMOTRON_UNREAD = Ignored(theirs=("time_step_min",), reason=INITIALIZATION_ONLY)
+else:
+    NEMOTRON_TIME_STEP = Computed(
+        ("dt_limit",), ("time_step_min",), import_=_nemotron_time_step_min, export=_nemotron_write_time_step_min
+    )
+    NEMOTRON_UNREAD = Ignored(theirs=("time_step_limit",), reason="NemotronH before transformers 5.25 does not read it")
 
 _BIAS_FIELDS = ("add_linear_biases", *(f"{role}.bias.enabled" for role in (*IN_PROJ_COMPONENTS, "out_proj")))
 
@@ -123,13 +144,7 @@ _PER_GROUP_SINCE = (5, 23)
 
 def transformers_norm_is_per_group(version: str | None) -> bool:
     """Whether transformers `version` (None: the installed one; none installed: the newest) normalizes per group."""
-    if version is None:
-        try:
-            version = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            return True
-    release = re.match(r"(\d+)\.(\d+)", str(version))
-    return release is None or (int(release[1]), int(release[2])) >= _PER_GROUP_SINCE
+    return transformers_release_at_least(_PER_GROUP_SINCE, version)
 
 
 def _grouped_norm(per_group: bool | None) -> ConfigMapping:
@@ -185,9 +200,6 @@ def _weights(config: Mamba2Config) -> list[WeightMapping]:
     if config.has_bias(config.out_proj):
         mappings.append(Weight("out_proj.bias", "out_proj.bias"))
     return mappings
-
-
-INITIALIZATION_ONLY = "they set the initialization of dt_bias, not what the model computes"
 
 
 def _check_no_in_proj_multipliers(config: Mamba2Config) -> dict[str, Any]:
@@ -327,10 +339,11 @@ SECTIONS: dict[str, Section] = {
         time_step=NEMOTRON_TIME_STEP,
         extra=(
             Ignored(theirs=("time_step_max", "time_step_floor"), reason=INITIALIZATION_ONLY),
+            NEMOTRON_UNREAD,
             Ignored(
-                theirs=("time_step_limit", "mamba_proj_bias", "expand"),
-                reason="transformers' NemotronH does not read them (the inner size is heads · head_dim, the time "
-                "step is clamped to [time_step_min, inf), the projections' bias is `use_bias`)",
+                theirs=("mamba_proj_bias", "expand"),
+                reason="transformers' NemotronH does not read them (the inner size is heads · head_dim, the "
+                "projections' bias is `use_bias`)",
             ),
             Ignored(theirs=("mamba_ssm_cache_dtype",), reason="the dtype of transformers' generation cache"),
         ),
