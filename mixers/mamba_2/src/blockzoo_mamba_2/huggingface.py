@@ -100,7 +100,8 @@ INITIALIZATION_ONLY = "they set the initialization of dt_bias, not what the mode
 # How transformers' NemotronH clamps the time step: to `time_step_limit` since 5.25 (its config also takes it as
 # `mamba_dt_limit`), `time_step_min` being only where dt's initialization starts; to [time_step_min, inf) before,
 # `time_step_limit` unread. Read and written as the installed transformers runs it.
-if transformers_release_at_least((5, 25)):
+_NEMOTRON_LIMIT_SINCE = (5, 25)
+if transformers_release_at_least(_NEMOTRON_LIMIT_SINCE):
     NEMOTRON_TIME_STEP = _time_step_limit("time_step_limit")
     NEMOTRON_UNREAD = Ignored(theirs=("time_step_min",), reason=INITIALIZATION_ONLY)
 else:
