@@ -13,7 +13,6 @@ no slice); elsewhere `convolved_ssd_scan` is the convolution then `ssd_scan`, th
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ import torch
 
 from blockzoo.layers.base import Batch
 from blockzoo.ssm.conv import _int32_positions, causal_conv1d, uses_triton_kernel
-from blockzoo.ssm.kernels import import_mamba_ssm, mamba_ssm_available
+from blockzoo.ssm.kernels import mamba_ssm_available, ssd_combined
 from blockzoo.ssm.scan import _int32_document_index, ssd_scan
 
 
@@ -87,7 +86,7 @@ class _ConvolvedScan(torch.autograd.Function):
     def forward(ctx, xbc, weight, bias, dt, A, D, dt_bias, positions, seq_idx, options):
         layout, chunk_size, dt_softplus, dt_limit = options
         x, b, c = layout.split(_convolve(xbc, weight, bias, positions))
-        out, *_ = _ssd_combined()._mamba_chunk_scan_combined_fwd(
+        out, *_ = ssd_combined()._mamba_chunk_scan_combined_fwd(
             x[None], dt[None], A, b[None], c[None], chunk_size, D=D, dt_bias=dt_bias, seq_idx=seq_idx[None],
             dt_softplus=dt_softplus, dt_limit=dt_limit,
         )  # fmt: skip
@@ -105,7 +104,7 @@ class _ConvolvedScan(torch.autograd.Function):
         x, b, c = layout.split(convolved)
         dconvolved = torch.empty_like(convolved)  # the scan's backward writes dx, dB, dC into its columns
         dx, db, dc = layout.split(dconvolved)
-        _, ddt, dA, _, _, dD, _, ddt_bias, _ = _ssd_combined()._mamba_chunk_scan_combined_bwd(
+        _, ddt, dA, _, _, dD, _, ddt_bias, _ = ssd_combined()._mamba_chunk_scan_combined_bwd(
             dout[None], x[None], dt[None], A, b[None], c[None], out, chunk_size, D=D, dt_bias=dt_bias,
             seq_idx=seq_idx[None], dt_softplus=dt_softplus, dt_limit=dt_limit, dx=dx[None], dB=db[None], dC=dc[None],
         )  # fmt: skip
@@ -117,11 +116,3 @@ def _convolve(xbc, weight, bias, positions) -> torch.Tensor:
     from blockzoo.ssm.triton_conv import conv_forward
 
     return conv_forward(xbc, weight, bias, positions, True)
-
-
-@functools.cache
-def _ssd_combined():
-    import_mamba_ssm()
-    from mamba_ssm.ops.triton import ssd_combined
-
-    return ssd_combined

@@ -154,15 +154,20 @@ def mamba_gated_rms_norm(
 
 
 @functools.cache
-def _chunk_scan_combined():
-    """mamba_ssm's `mamba_chunk_scan_combined`, its kernels' autotuning bounded as BLOCKZOO_SSD_AUTOTUNE says."""
+def ssd_combined() -> types.ModuleType:
+    """mamba_ssm's `ssd_combined` module (`mamba_chunk_scan_combined`, its forward and backward functions), every SSD
+    kernel's autotuning bounded as BLOCKZOO_SSD_AUTOTUNE says: whoever calls the kernels first gets it from here."""
     import_mamba_ssm()
     modules = [importlib.import_module(f"mamba_ssm.ops.triton.{name}") for name in SSD_MODULES]
     limit = autotune_limit()
     if limit is not None:
         restrict_autotuning(modules, limit)
     cache_autotuning(modules)
-    return modules[-1].mamba_chunk_scan_combined
+    return modules[-1]
+
+
+def _chunk_scan_combined():
+    return ssd_combined().mamba_chunk_scan_combined
 
 
 def autotune_limit(environ: dict[str, str] | None = None) -> int | None:
