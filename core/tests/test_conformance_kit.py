@@ -262,8 +262,19 @@ class ForgetfulMixer(PreviousTokenMixer):
         return super().previous(values, batch, None)
 
 
+@configclass
+class LengthBoundConfig(PreviousTokenConfig):
+    """Takes max_length for the longest document's length, where a padded batch gives a bound."""
+
+
+class LengthBoundMixer(PreviousTokenMixer):
+    def forward(self, hidden, batch, state=None):
+        return super().forward(hidden, batch, state) / batch.max_length
+
+
 TYPES = {
     "previous_token": (PreviousTokenConfig, "PreviousTokenMixer"),
+    "length_bound": (LengthBoundConfig, "LengthBoundMixer"),
     "wrong_shape": (WrongShapeConfig, "WrongShapeMixer"),
     "leaky": (LeakyConfig, "LeakyMixer"),
     "false_tensor_parallel": (FalseTensorParallelConfig, "FalseTensorParallelMixer"),
@@ -375,6 +386,7 @@ IN_PROCESS_CHECKS = [
     "test_output_shape_and_dtype",
     "test_meta_device_construction",
     "test_packed_documents_equal_separate_runs",
+    "test_padded_batches_equal_exact_ones",
     "test_gradients_reach_every_parameter",
     "test_every_field_changes_something",
     "test_generation_equals_the_full_forward",
@@ -404,6 +416,12 @@ BROKEN = [
         "test_packed_documents_equal_separate_runs",
         r"(?s)the output of document 1 \(tokens 5:6 of the packed batch \[5, 1, 6\]\) differs .*Information crosses a "
         r"document boundary: every token may see only tokens of its own document\. Restart convolutions",
+    ),
+    (
+        "length_bound",
+        "test_padded_batches_equal_exact_ones",
+        r"(?s)a batch of \[5, 1, 6\] padded: the output differs .* from the exact batch\n.*A padded batch \(what "
+        r"training\.cuda_graphs runs: Batch\.bucketed\) starts with empty documents",
     ),
     (
         "unused_field",

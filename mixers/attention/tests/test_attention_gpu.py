@@ -10,7 +10,7 @@ import pytest
 import torch
 from attention_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, single_process
+from blockzoo.testing import check_decoding, check_matches_layer, check_padded_batch, single_process
 from blockzoo_attention.kernels import KERNELS, select_kernel
 
 pytestmark = pytest.mark.gpu
@@ -74,3 +74,11 @@ def test_auto_picks_the_gpu_kernels():
     bf16 = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
     assert select_kernel("auto", bf16) is KERNELS["batched"], KERNELS["batched"].unavailable(bf16)
     assert select_kernel("auto", bf16.float()) is KERNELS["torch"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("implementation", ["varlen", "batched"])
+def test_padded_batches_equal_exact_ones(case, implementation):
+    """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
+    layer = build({**CASES[case], "implementation": implementation}, single_process(SEED, backend="nccl"), HIDDEN)
+    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})

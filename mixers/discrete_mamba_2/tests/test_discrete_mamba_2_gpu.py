@@ -10,7 +10,13 @@ import pytest
 import torch
 from dm2_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_forward_slices, check_matches_layer, single_process
+from blockzoo.testing import (
+    check_decoding,
+    check_forward_slices,
+    check_matches_layer,
+    check_padded_batch,
+    single_process,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -64,3 +70,10 @@ def test_cuda_slices_equal_the_whole_forward(case):
 def test_cuda_decoding_equals_the_full_forward():
     layer = build(CASES["grouped-identity"], single_process(SEED, backend="nccl"), hidden=HIDDEN)
     check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_batches_equal_exact_ones(case):
+    """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})

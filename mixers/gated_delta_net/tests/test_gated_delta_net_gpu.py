@@ -12,7 +12,7 @@ import pytest
 import torch
 from gated_delta_net_reference import AROUND_ONE, RANDOM, SEED, STRONG_DECAY, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, single_process
+from blockzoo.testing import check_decoding, check_matches_layer, check_padded_batch, single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -98,3 +98,10 @@ def test_fla_forward_matches_the_torch_path(initial_state):
         results[device] = (output.cpu(), final.cpu())
     for got, expected in zip(results["cuda"], results["cpu"]):
         assert ((got - expected).norm() / expected.norm()).item() < OUTPUT_TOLERANCE[torch.float32]["relative"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_batches_equal_exact_ones(case):
+    """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})

@@ -10,7 +10,13 @@ import pytest
 import torch
 from mamba_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_forward_slices, check_matches_layer, single_process
+from blockzoo.testing import (
+    check_decoding,
+    check_forward_slices,
+    check_matches_layer,
+    check_padded_batch,
+    single_process,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +78,10 @@ def test_cuda_slices_equal_the_whole_forward(case):
     layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
     for slice_length in SLICE_LENGTHS:
         check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_batches_equal_exact_ones(case):
+    """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})

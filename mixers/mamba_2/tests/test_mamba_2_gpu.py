@@ -14,7 +14,13 @@ import pytest
 import torch
 from mamba_2_reference import AROUND_ONE, RANDOM, SEED, build
 
-from blockzoo.testing import check_decoding, check_forward_slices, check_matches_layer, single_process
+from blockzoo.testing import (
+    check_decoding,
+    check_forward_slices,
+    check_matches_layer,
+    check_padded_batch,
+    single_process,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -114,3 +120,10 @@ def test_the_kernels_are_installed():
     from blockzoo_mamba_2.plugin import check_environment
 
     assert check_environment() == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_batches_equal_exact_ones(case):
+    """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
+    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
+    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})

@@ -107,8 +107,11 @@ class Batch:
     be > 0), so `positions` are positions in the whole document. `past_lengths` without `sequence_data` is
     generation: mixers tell the two apart by `state` and `sequence_data`, never by `past_lengths` alone.
 
-    Every document has at least one token (an empty one is refused: drop it before making the batch). Made on the
-    host and copied to `device` once; its tensors, all on `device`:
+    Every document has at least one token (an empty one is refused: drop it before making the batch), except in a
+    padded batch (`document_capacity`, `length_bound`; see `bucketed`): empty documents come before its documents, up
+    to `document_capacity` in all (in `lengths`, `cu_seqlens`, `document_index`, `num_documents`), and its
+    `max_length` is `length_bound`, a bound on the documents' lengths rather than the longest; `padded` says which.
+    Made on the host and copied to `device` once; its tensors, all on `device`:
     - `lengths` (int64, [documents]), `past_lengths` (int64 or None); `host_lengths`: `lengths` on the host, for
       what must not wait for the device;
     - `cu_seqlens` (int32, [documents + 1]): cumulative lengths from 0, as varlen attention kernels take them;
@@ -127,6 +130,8 @@ class Batch:
         device: torch.device | str = "cpu",
         past_lengths: Sequence[int] | torch.Tensor | None = None,
         sequence_data: SequenceData | None = None,
+        document_capacity: int | None = None,
+        length_bound: int | None = None,
     ):
         # Everything is computed on the host from the lengths (a tensor on a device is read back once), then moved:
         # on a GPU, from pinned memory without waiting, so making a batch never stalls the device queue.
@@ -151,6 +156,14 @@ class Batch:
                     f"{as_list}"
                 )
             self.continued = int(past[0])
+        self.padded = document_capacity is not None or length_bound is not None
+        if self.padded:
+            room = _check_room(as_list, document_capacity, length_bound, past_lengths, sequence_data)
+            # In front, where a layer's gather at each document's first token (cu_seqlens[:-1]) stays in range.
+            lengths_on_host = torch.nn.functional.pad(lengths_on_host, (room, 0))
+            ends = torch.nn.functional.pad(ends, (room, 0))
+            document_index = document_index + room
+            self.max_length = length_bound or self.max_length
         self.host_lengths = lengths_on_host  # the lengths on the host, for what must not wait for the device
         cu_seqlens = torch.nn.functional.pad(ends, (1, 0))  # int64 to travel with the rest; int32 once there
         self.lengths, cu_seqlens, self.document_index, self.positions, *past_lengths = to_device_together(
@@ -170,6 +183,35 @@ class Batch:
         self.losses.clear()
         self.statistics.clear()
         self._preprocessed.clear()
+
+    @classmethod
+    def bucketed(cls, lengths: Sequence[int] | torch.Tensor, *, device: torch.device | str = "cpu") -> Batch:
+        """The batch of `lengths` in shapes that most batches of its token count share, so that a CUDA graph captured
+        on one replays on the others (`training.cuda_graphs`): documents all of one length as they are (their shapes
+        repeat already, and attention takes them as rows); others padded with empty documents to a power of two, and
+        `max_length` raised to a power of two (at most the token count)."""
+        as_list = torch.as_tensor(lengths, dtype=torch.int64).cpu().tolist()
+        if not as_list or min(as_list) <= 0 or len(set(as_list)) == 1:
+            return cls(as_list, device=device)
+        capacity = 1 << (len(as_list) - 1).bit_length()
+        bound = min(1 << (max(as_list) - 1).bit_length(), sum(as_list))
+        return cls(as_list, device=device, document_capacity=capacity, length_bound=bound)
+
+    def copy_documents_(self, other: Batch) -> None:
+        """Take the documents of `other`, a batch of the same shapes, into this batch's tensors in place: a CUDA graph
+        captured on this batch then replays on them."""
+        shapes = (self.num_tokens, self.num_documents, self.max_length)
+        if (other.num_tokens, other.num_documents, other.max_length) != shapes or other.past_lengths is not None:
+            raise ValueError(
+                f"a batch of {other.num_tokens} tokens, {other.num_documents} documents, max_length "
+                f"{other.max_length} cannot take the place of one of {shapes[0]}, {shapes[1]}, {shapes[2]}"
+            )
+        for mine, theirs in zip(self._documents(), other._documents()):
+            mine.copy_(theirs)
+        self.host_lengths = other.host_lengths
+
+    def _documents(self) -> tuple[torch.Tensor, ...]:
+        return self.lengths, self.cu_seqlens, self.document_index, self.positions
 
     @classmethod
     def from_documents(cls, documents: Sequence[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Batch]:
@@ -222,6 +264,18 @@ class Batch:
         if name in self.losses or name in self.statistics:
             raise ValueError(f"two layers add a loss named {name!r}")
         self.statistics[name] = (statistics, loss)
+
+
+def _check_room(lengths, document_capacity, length_bound, past_lengths, sequence_data) -> int:
+    """The empty documents a padded batch adds; a ValueError for room that cannot hold the documents."""
+    if past_lengths is not None or sequence_data is not None:
+        raise ValueError("a padded batch holds whole documents: no past_lengths, no sequence_data")
+    capacity = len(lengths) if document_capacity is None else document_capacity
+    if capacity < len(lengths):
+        raise ValueError(f"document_capacity {capacity} cannot hold {len(lengths)} documents")
+    if length_bound is not None and length_bound < max(lengths):
+        raise ValueError(f"length_bound {length_bound} is below the longest document's {max(lengths)} tokens")
+    return capacity - len(lengths)
 
 
 def slice_lengths(lengths: Sequence[int], start: int, stop: int) -> tuple[list[int], list[int]]:

@@ -7,7 +7,8 @@
   `build_layer(config, hidden_size, distributed)`, `layer_inputs(tokens, hidden_size)`, `run_layer(...)` ->
   `LayerRun`, `relative_error`, `layer_signature(layer, lengths)` -> `LayerSignature` (`.differs_from(other)`: did
   a config field change the layer?), and the checks `check_packed_documents` (packed documents against each run
-  alone), `check_matches_layer` (the same layer elsewhere: CUDA, bf16), `check_decoding` (generation against the
+  alone), `check_padded_batch` (a CUDA graph's padded batch against the exact one), `check_matches_layer` (the same
+  layer elsewhere: CUDA, bf16), `check_decoding` (generation against the
   full forward) and `check_forward_slices` (slices of the documents one after the other against the whole forward).
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
   (`blockzoo.testing.parallel`): cases split between gloo ranks against one process, all in one set of processes.
@@ -37,6 +38,7 @@ _LAZY = {
     "check_forward_slices": "blockzoo.testing.layers",
     "check_matches_layer": "blockzoo.testing.layers",
     "check_packed_documents": "blockzoo.testing.layers",
+    "check_padded_batch": "blockzoo.testing.layers",
     "layer_inputs": "blockzoo.testing.layers",
     "layer_signature": "blockzoo.testing.layers",
     "relative_error": "blockzoo.testing.layers",

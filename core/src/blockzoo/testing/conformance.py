@@ -17,8 +17,8 @@ Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_par
 - config: plain data ↔ config round trip (also through YAML), unknown keys refused, every field documented, the
   default config builds, the config and hook modules import no torch;
 - the layer: output shape and dtype (fp32 and bf16), construction on the meta device then `materialize`, packed
-  documents equal separate runs (outputs and gradients), every config field changes the parameters or the
-  outputs, every trainable parameter receives a gradient;
+  documents equal separate runs (outputs and gradients), a padded batch (what CUDA graphs run) equals the exact one,
+  every config field changes the parameters or the outputs, every trainable parameter receives a gradient;
 - declared capabilities: `tensor_parallel` (and `sequence_tensor_parallel`) on gloo ranks against one process,
   outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
   `sequence_data_parallel`: the batch cut into slices run one after the other (`forward_slice`, carries passed on)
@@ -74,6 +74,7 @@ from blockzoo.testing.layers import (
     check_decoding,
     check_forward_slices,
     check_packed_documents,
+    check_padded_batch,
     layer_inputs,
     layer_signature,
     single_process,
@@ -327,6 +328,9 @@ class LayerConformance:
 
     def test_packed_documents_equal_separate_runs(self) -> None:
         check_packed_documents(self._build(self._config()), lengths=self.lengths, tolerance=self.tolerance)
+
+    def test_padded_batches_equal_exact_ones(self) -> None:
+        check_padded_batch(self._build(self._config()), lengths=self.lengths, tolerance=self.tolerance)
 
     def test_gradients_reach_every_parameter(self) -> None:
         layer = self._build(self._config())

@@ -3,10 +3,12 @@
 A plugin's tests check its layer against an oracle of their own (a float64 loop, transformers); what they share with
 every other plugin is here: `single_process(seed)` and `build_layer(config, hidden_size, distributed)` make the
 layer, `layer_inputs(tokens)` the packed hidden states and loss weights, `run_layer` its output and gradients;
-`check_packed_documents` compares packed documents with each document run alone, `check_matches_layer` a layer with
-the same layer elsewhere (CUDA against the CPU path, bf16 against fp32), `check_decoding` its generation against the
-full forward, `check_forward_slices` its run over slices of the documents, one after the other, against the whole
-forward; `layer_signature` records what a config field may change, for tests that every field changes something.
+`check_packed_documents` compares packed documents with each document run alone, `check_padded_batch` a padded
+batch (empty documents first, a bound for `max_length`: CUDA graphs' batches) with the exact one,
+`check_matches_layer` a layer with the same layer elsewhere (CUDA against the CPU path, bf16 against fp32),
+`check_decoding` its generation against the full forward, `check_forward_slices` its run over slices of the
+documents, one after the other, against the whole forward; `layer_signature` records what a config field may
+change, for tests that every field changes something.
 The checks raise `ConformanceError` listing every problem.
 
 A tolerance is a mapping: `{"atol": a, "rtol": r}` compares element by element as `torch.allclose` does;
@@ -51,6 +53,12 @@ _SLICES_FIX = (
     "one and the ones before it (keys and values of the open document, the recurrent state and the convolution's last "
     "inputs), differentiably: the gradients of later slices flow back through it. A named loss that is a function of "
     "sums over the tokens goes through batch.add_statistics_loss, so that it covers every slice."
+)
+_PADDING_FIX = (
+    "A padded batch (what training.cuda_graphs runs: Batch.bucketed) starts with empty documents (zero lengths: "
+    "cu_seqlens starts with repeated zeros, no token is theirs), and its max_length is a bound on the documents' "
+    "lengths, not the longest: size work by batch.num_tokens, let empty documents contribute nothing, use max_length "
+    "only as an upper bound."
 )
 _PACKING_FIX = (
     "Information crosses a document boundary: every token may see only tokens of its own document. Restart "
@@ -193,6 +201,36 @@ def check_packed_documents(
     problems = [problem for problem in problems if problem is not None]
     if problems:
         raise ConformanceError("\n".join([*problems, _PACKING_FIX]))
+
+
+def check_padded_batch(
+    layer: Layer,
+    *,
+    lengths: Sequence[int],
+    tolerance: Mapping[str, float],
+    extra_documents: int = 3,
+    length_bound: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> None:
+    """A padded batch of documents `lengths` (`extra_documents` empty ones before them, `max_length` raised to
+    `length_bound`, default the token count) gives the outputs and gradients of the exact batch, both fed `dtype`
+    hidden states: what `training.cuda_graphs` runs (`Batch.bucketed`)."""
+    device = layer.distributed.device
+    hidden, weights = layer_inputs(sum(lengths), layer.hidden_dim.global_size, seed)
+    hidden = hidden.to(dtype)
+    exact = _run_batch(layer, hidden, weights, Batch(lengths, device=device))
+    padded_batch = Batch(
+        lengths,
+        device=device,
+        document_capacity=len(lengths) + extra_documents,
+        length_bound=sum(lengths) if length_bound is None else length_bound,
+    )
+    (padded, padded_losses), (exact, exact_losses) = _run_batch(layer, hidden, weights, padded_batch), exact
+    label = f"a batch of {list(lengths)} padded"
+    problems = _run_problems(padded, exact, padded_losses, exact_losses, tolerance, label, "the exact batch")
+    if problems:
+        raise ConformanceError("\n".join([*problems, _PADDING_FIX]))
 
 
 def check_forward_slices(
@@ -366,10 +404,15 @@ def _run_whole(
     layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int]
 ) -> tuple[LayerRun, dict[str, torch.Tensor]]:
     """The run of `layer` over the whole batch, its objective holding the named losses too; and those losses."""
+    return _run_batch(layer, hidden, weights, Batch(lengths, device=layer.distributed.device))
+
+
+def _run_batch(
+    layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, batch: Batch
+) -> tuple[LayerRun, dict[str, torch.Tensor]]:
     device = layer.distributed.device
     layer.zero_grad(set_to_none=True)
     hidden = hidden.detach().clone().to(device).requires_grad_()
-    batch = Batch(lengths, device=device)
     output = layer(hidden, batch)
     objective = (output * weights.to(device)).sum() + sum(batch.losses.values(), torch.zeros((), device=device))
     objective.backward()
@@ -425,6 +468,7 @@ def _run_problems(
     expected_losses: dict[str, torch.Tensor],
     tolerance: Mapping[str, float],
     label: str,
+    reference: str = "the whole forward",
     rows: slice | torch.Tensor = slice(None),
 ) -> list[str]:
     """What differs between two runs (`rows`: the tokens of `expected` that `found` holds)."""
@@ -443,7 +487,7 @@ def _run_problems(
             _mismatch(value, expected_losses[name], tolerance, f"{label}: the named loss {name!r}")
             for name, value in found_losses.items()
         ]
-    return [f"{problem} from the whole forward" for problem in problems if problem is not None]
+    return [f"{problem} from {reference}" for problem in problems if problem is not None]
 
 
 def _run_on(layer: Layer, hidden: torch.Tensor, weights: torch.Tensor, lengths: Sequence[int]) -> LayerRun:

@@ -426,4 +426,4 @@ def _sliced_problems(
     for gradient in found.grads.values():  # replicated weights: their gradients are summed over the ranks
         dist.all_reduce(gradient, group=sequence_data.group)
     rows = torch.cat([torch.arange(start, stop) for start, stop in ranges])
-    return _run_problems(found, expected[0], losses, expected[1], job.tolerance, label, rows)
+    return _run_problems(found, expected[0], losses, expected[1], job.tolerance, label, rows=rows)

@@ -97,9 +97,10 @@ class TrainingConfig(Config):
     cuda_graphs: bool = field(
         False,
         doc="Replay each training step's forward, backward and clipping as one CUDA graph (one process on a GPU), for "
-        "steps bound by the host's kernel launches. A step replays after a step of the same document lengths (data "
-        "of whole rows or fixed lengths: every step after the second); a step that cannot be captured runs eagerly, "
-        "and the run says why.",
+        "steps bound by the host's kernel launches. Micro-batches are padded to a few shapes (empty documents up to a "
+        "power of two, the length bound a power of two); the second step of a shape is captured and later ones "
+        "replay it (up to 4 shapes, each holding its own gradients); a step that cannot be captured runs eagerly, and "
+        "the run says why.",
     )
     recompute: Recompute = field(
         "none",

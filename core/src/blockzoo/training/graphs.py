@@ -5,22 +5,24 @@ hybrid example: 850 per step, mamba_ssm's Triton launches among them). Captured 
 pass, the gradient reductions and the clipping are queued by one launch.
 
 A graph replays the kernels of the step it was captured from, on the same addresses, so it holds only for steps of
-the same shapes: the same micro-batches' document lengths (`signature`). A step whose signature is the previous
-step's is captured (that previous step ran eagerly, so every lazy set-up is done: compilation, Triton autotuning,
-library workspaces), and every later step of that signature replays it, its tokens and labels copied into the
-captured step's. A step of another signature drops the graph (and its memory) and runs eagerly; data whose documents
-change length every step therefore never replays, and the run says so once. A step that cannot be captured (a layer
-that reads the device on the host, as the MoE's looped experts do) ends the graphs for the run, said once; the step
-itself then runs eagerly.
+the same shapes (`signature`). The trainer places whole micro-batches as `Batch.bucketed` ones: documents of
+random lengths padded with empty documents to a power of two, their `max_length` raised to one, so that steps of
+documents of changing lengths fall in a few shapes. The second step of a shape is captured (the first ran eagerly, so
+every lazy set-up is done: compilation, Triton autotuning, library workspaces) and every later step of that shape
+replays it, its tokens, labels and documents copied into the captured step's. Up to `GRAPHS` shapes keep a graph, all
+in one memory pool (one graph runs at a time, and only the last replayed one's gradients are read); steps of further
+shapes run eagerly, and the run says so once. A step that cannot be captured (a layer that reads the device on the
+host, as the MoE's looped experts do) ends the graphs for the run, said once; the step itself then runs eagerly.
 
-The optimizer's update stays outside the graph: it reads the gradients the replay leaves in the parameters' `.grad`
-(which keep their captured tensors between replays) and takes its learning rate from the host as before.
+The optimizer's update stays outside the graph: it reads the gradients the replay leaves in its own tensors, which
+become the parameters' `.grad`, and takes its learning rate from the host as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 from torch import nn
 
@@ -28,20 +30,37 @@ from blockzoo.layers.base import Batch
 from blockzoo.training.step import PlacedMicroBatch
 
 Figures = tuple[torch.Tensor, tuple[str, ...]]
+GRAPHS = 4  # shapes that keep a graph; each holds its own gradients (the pool's working memory is shared)
+_REMEMBERED = 64  # shapes remembered (seen once, not captured yet): most recent first out
 
 
 def signature(micro_batches: Sequence[PlacedMicroBatch]) -> tuple:
     """What a step must share with the captured one to replay its graph: each micro-batch's token count and its
-    documents (lengths, and the tokens a slice's first piece continues)."""
+    documents' shapes: a padded batch's capacity and length bound, or else the documents' lengths (and the tokens a
+    slice's first piece continues)."""
     found = []
     for micro in micro_batches:
-        pieces = tuple((tuple(batch.host_lengths.tolist()), batch.continued) for batch in _batches(micro))
+        pieces = tuple(_shape(batch) for batch in _batches(micro))
         found.append((micro.tokens.shape[0], pieces))
     return tuple(found)
 
 
+def _shape(batch: Batch) -> tuple:
+    if batch.padded:
+        return ("padded", batch.num_documents, batch.max_length)
+    return (tuple(batch.host_lengths.tolist()), batch.continued)
+
+
 def _batches(micro: PlacedMicroBatch) -> tuple[Batch, ...]:
     return micro.batch if isinstance(micro.batch, tuple) else (micro.batch,)
+
+
+@attrs.frozen
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[PlacedMicroBatch]  # the captured step's micro-batches: each replay's are copied into them
+    figures: Figures
+    gradients: list[torch.Tensor | None]  # the graph's, by parameter
 
 
 class StepGraph:
@@ -53,59 +72,73 @@ class StepGraph:
         self._compute = compute
         self._parameters = list(parameters)
         self._log = log
-        self._previous: tuple | None = None  # the last step's signature
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._captured: tuple[tuple, list[PlacedMicroBatch], Figures] | None = None
+        self._graphs: dict[tuple, _Captured] = {}
+        self._seen: dict[tuple, None] = {}  # shapes of eager steps, oldest first
+        self._pool = None  # the graphs' shared memory pool
         self._failed = False
-        self._told_of_changes = False
+        self._told_of_shapes = False
         self.replays = 0
 
     def __call__(self, micro_batches: list[PlacedMicroBatch]) -> Figures:
         key = signature(micro_batches)
-        if self._captured is not None:
-            captured_key, inputs, (values, names) = self._captured
-            if key == captured_key:
-                for static, micro in zip(inputs, micro_batches):
-                    static.tokens.copy_(micro.tokens)
-                    static.labels.copy_(micro.labels)
-                self._graph.replay()
-                self.replays += 1
-                return values.clone(), names  # the next replay overwrites the captured figures
-            self._release()
-        repeated, previous, self._previous = key == self._previous, self._previous, key
-        if not repeated and previous is not None and not self._told_of_changes and not self._failed:
-            self._told_of_changes = True
-            self._log(
-                "training.cuda_graphs: the document lengths changed between steps; a step replays a graph only after "
-                "a step of the same lengths, the others run eagerly (data of whole rows or fixed lengths replays "
-                "every step)"
-            )
-        if self._failed or not repeated:
+        captured = self._graphs.get(key)
+        if captured is not None:
+            return self._replay(captured, micro_batches)
+        if self._failed:
             return self._compute(micro_batches)
-        return self._capture(key, micro_batches)
+        if key in self._seen and len(self._graphs) < GRAPHS:
+            del self._seen[key]
+            return self._capture(key, micro_batches)
+        self._seen[key] = None
+        if len(self._seen) > _REMEMBERED:
+            del self._seen[next(iter(self._seen))]
+        if len(self._graphs) + len(self._seen) > GRAPHS and not self._told_of_shapes:
+            self._told_of_shapes = True
+            self._log(
+                f"training.cuda_graphs: the steps come in more than {GRAPHS} shapes (micro-batches of other token "
+                "counts, or slices of documents of changing lengths); steps of the shapes that have no graph run "
+                "eagerly (the first of each shape does)"
+            )
+        return self._compute(micro_batches)
+
+    def _replay(self, captured: _Captured, micro_batches: list[PlacedMicroBatch]) -> Figures:
+        for static, micro in zip(captured.inputs, micro_batches):
+            static.tokens.copy_(micro.tokens)
+            static.labels.copy_(micro.labels)
+            for static_batch, batch in zip(_batches(static), _batches(micro)):
+                static_batch.copy_documents_(batch)
+        captured.graph.replay()
+        for parameter, gradient in zip(self._parameters, captured.gradients):
+            parameter.grad = gradient
+        self.replays += 1
+        values, names = captured.figures
+        return values.clone(), names  # the next replay overwrites the captured figures
 
     def _capture(self, key: tuple, micro_batches: list[PlacedMicroBatch]) -> Figures:
         self._clear_gradients()
-        # The eager steps' cached blocks go back, or the graph's own pool would need as much memory again.
+        # The eager steps' cached blocks go back, or the graphs' pool would need as much memory again.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: only this thread's calls are checked (a checkpoint's hashing threads do no CUDA work).
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 figures = self._compute(micro_batches)
         except Exception as error:  # noqa: BLE001 - whatever stops a capture, the step runs eagerly
             reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             failure = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
         else:
-            self._graph = graph
-            self._captured = (key, micro_batches, figures)
+            self._pool = graph.pool() if self._pool is None else self._pool
+            gradients = [parameter.grad for parameter in self._parameters]
+            captured = self._graphs[key] = _Captured(graph, micro_batches, figures, gradients)
             graph.replay()  # capturing queued nothing: this step's work
             self.replays += 1
-            return figures[0].clone(), figures[1]
+            return captured.figures[0].clone(), captured.figures[1]
         # Out of the `except`, whose traceback would keep the half-captured pass alive.
         self._failed = True
         del graph
+        self._graphs.clear()
+        self._pool = None
         self._clear_gradients()
         for micro in micro_batches:  # the half-captured pass left tensors without values on the batches
             for batch in _batches(micro):
@@ -117,14 +150,6 @@ class StepGraph:
             "without graphs (set training.cuda_graphs=false to skip trying)"
         )
         return self._compute(micro_batches)
-
-    def _release(self) -> None:
-        """Drop the graph, its memory and the gradients in it."""
-        self._clear_gradients()
-        self._graph = None
-        self._captured = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
     def _clear_gradients(self) -> None:
         for parameter in self._parameters:

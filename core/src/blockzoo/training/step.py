@@ -69,13 +69,15 @@ def own_slices(tokens: int, distributed: Distributed) -> list[tuple[int, int]]:
     )
 
 
-def place_micro_batch(micro: MicroBatch, distributed: Distributed) -> PlacedMicroBatch:
+def place_micro_batch(micro: MicroBatch, distributed: Distributed, *, bucketed: bool = False) -> PlacedMicroBatch:
     """`micro` on the device of `distributed`: all of it, or this rank's slices when the run uses them
-    (`distributed.config.uses_slices`)."""
+    (`distributed.config.uses_slices`). `bucketed`: a whole micro-batch's `Batch` in the shapes of `Batch.bucketed`
+    (for CUDA graphs)."""
     device = distributed.device
     if not distributed.config.uses_slices:
         tokens, labels = to_device_together([micro.tokens, micro.labels], device)
-        return PlacedMicroBatch(tokens=tokens, labels=labels, batch=Batch(micro.lengths, device=device))
+        batch = (Batch.bucketed if bucketed else Batch)(micro.lengths, device=device)
+        return PlacedMicroBatch(tokens=tokens, labels=labels, batch=batch)
     ranges = own_slices(len(micro.tokens), distributed)
     lengths = micro.lengths.tolist()
     sequence_data = SequenceData(

@@ -367,7 +367,9 @@ class Trainer:
         flops = sum(self._flops(tuple(micro.lengths.tolist())) for micro in micro_batches)
         data_size = self.distributed.data_size
         return StepData(
-            micro_batches=[place_micro_batch(micro, self.distributed) for micro in micro_batches],
+            micro_batches=[
+                place_micro_batch(micro, self.distributed, bucketed=self.config.cuda_graphs) for micro in micro_batches
+            ],
             position=batches.position(),
             tokens=sum(len(micro.tokens) for micro in micro_batches) * data_size,
             flops=flops * data_size,
