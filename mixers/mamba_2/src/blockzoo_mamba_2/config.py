@@ -111,11 +111,12 @@ class Mamba2Config(MixerConfig):
     )
     convolution: ConvolutionConfig = field(factory=ConvolutionConfig, doc="The causal convolution over x‖B‖C.")
     recompute_convolution: bool = field(
-        False,
+        True,
         doc="Training on the GPU kernels (mamba_ssm's SSD kernels): keep the convolution's input (in_proj's output, "
         "kept anyway) instead of its output for the backward pass, which runs the convolution again "
         "(`blockzoo.ssm.convolved_ssd_scan`; mamba_ssm's fused layer does the same). Saves a [tokens, x+B+C] "
-        "tensor per layer for one more convolution; elsewhere no effect.",
+        "tensor per layer (the Mamba 2 LM 1.3B at 16384 tokens: 6.2 GiB, its step no slower on an H200); elsewhere "
+        "no effect. False: the convolution's output is kept.",
     )
     z: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("the gate z of the output norm"))
     x: LinearConfig = field(factory=LinearConfig, doc=_in_proj_doc("the scan's input x"))
