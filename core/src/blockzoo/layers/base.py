@@ -110,8 +110,8 @@ class Batch:
     Every document has at least one token (an empty one is refused: drop it before making the batch), except in a
     padded batch (`document_capacity`, `length_bound`; see `bucketed`): empty documents come before its documents, up
     to `document_capacity` in all (in `lengths`, `cu_seqlens`, `document_index`, `num_documents`), and its
-    `max_length` is `length_bound`, a bound on the documents' lengths rather than the longest; `padded` says which.
-    Made on the host and copied to `device` once; its tensors, all on `device`:
+    `max_length` is `length_bound`, a bound on the documents' lengths rather than the longest; `padded` says whether
+    it is one. Made on the host and copied to `device` once; its tensors, all on `device`:
     - `lengths` (int64, [documents]), `past_lengths` (int64 or None); `host_lengths`: `lengths` on the host, for
       what must not wait for the device;
     - `cu_seqlens` (int32, [documents + 1]): cumulative lengths from 0, as varlen attention kernels take them;

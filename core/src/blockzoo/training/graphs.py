@@ -31,7 +31,7 @@ from blockzoo.training.step import PlacedMicroBatch
 
 Figures = tuple[torch.Tensor, tuple[str, ...]]
 GRAPHS = 4  # shapes that keep a graph; each holds its own gradients (the pool's working memory is shared)
-_REMEMBERED = 64  # shapes remembered (seen once, not captured yet): most recent first out
+_REMEMBERED = 64  # shapes remembered (seen once, not captured yet), the oldest forgotten first
 
 
 def signature(micro_batches: Sequence[PlacedMicroBatch]) -> tuple:
