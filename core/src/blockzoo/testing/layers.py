@@ -219,14 +219,14 @@ def check_padded_batch(
     device = layer.distributed.device
     hidden, weights = layer_inputs(sum(lengths), layer.hidden_dim.global_size, seed)
     hidden = hidden.to(dtype)
-    exact = _run_batch(layer, hidden, weights, Batch(lengths, device=device))
+    exact, exact_losses = _run_batch(layer, hidden, weights, Batch(lengths, device=device))
     padded_batch = Batch(
         lengths,
         device=device,
         document_capacity=len(lengths) + extra_documents,
         length_bound=sum(lengths) if length_bound is None else length_bound,
     )
-    (padded, padded_losses), (exact, exact_losses) = _run_batch(layer, hidden, weights, padded_batch), exact
+    padded, padded_losses = _run_batch(layer, hidden, weights, padded_batch)
     label = f"a batch of {list(lengths)} padded"
     problems = _run_problems(padded, exact, padded_losses, exact_losses, tolerance, label, "the exact batch")
     if problems:
