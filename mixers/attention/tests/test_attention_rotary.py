@@ -141,3 +141,18 @@ def test_rotary_types_structure_through_the_registry():
         configs.structure({"type": "yarn", "beta_fast": 4, "beta_slow": 8}, RotaryConfig)
     with pytest.raises(configs.ConfigError, match="theta: must be > 0"):
         configs.structure({"theta": 0}, RotaryConfig)
+
+
+def test_the_tables_trace_into_one_compiled_graph():
+    """torch.compile traces the tables' computation inside a compiled block without a break (it once traced into
+    the plugin registry, whose lock split every attention block into several graphs), and computes what eager does."""
+    config = DefaultRotaryConfig(theta=10000.0)
+
+    def rotated(heads: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return apply_rotary(heads, rotary_tables(config, HEAD_SIZE, batch))
+
+    heads = torch.randn(10, 2, HEAD_SIZE)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(rotated)(heads, Batch([6, 4]))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch.testing.assert_close(torch.compile(rotated)(heads, Batch([6, 4])), rotated(heads, Batch([6, 4])))

@@ -14,7 +14,8 @@
   since each rank's output only feeds that rank's share of the work, its gradients are partial sums,
   flagged for a sum over the tensor group.
 
-Activations are packed `[tokens, features]`.
+Activations are packed `[tokens, features]`. A row-parallel or replicated linear also takes a gated MLP's hidden layer
+unmade (`blockzoo.layers.gated.GatedInput`: gate‖up and the activation), which its product fuses.
 
 PEFT (`blockzoo.peft`): each component resolves its `apply_peft` from its config or the parent's `default_peft`; an
 adapter, once attached (`adapter`), adds its update where the output is still this rank's own: after the input
@@ -38,6 +39,7 @@ from blockzoo.distributed.ops import (
 )
 from blockzoo.layers.config import InitializationConfig, LinearConfig
 from blockzoo.layers.dims import TensorDim
+from blockzoo.layers.gated import GatedInput, linear
 from blockzoo.layers.parameter import create_parameter
 
 if TYPE_CHECKING:
@@ -125,11 +127,13 @@ class Linear(nn.Module):
             )
         )
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor | GatedInput) -> torch.Tensor:
         # Master weights stay fp32; compute in the activations' dtype.
         weight = self.weight.to(input.dtype)
         bias = None if self.bias is None else self.bias.to(input.dtype)
         adapter = None if self.adapter is None or self.adapter.merged else self.adapter
+        if isinstance(input, GatedInput) and (adapter is not None or self.column_parallel or self.inside_tensor_region):
+            input = input.materialized()  # the adapter, or the entry into the tensor region, needs it made
         if self.column_parallel or self.inside_tensor_region:
             enter = gather_tokens if self._sequence_tensor_parallel else copy_to_tensor_region
             input = enter(input, self._tensor_group)
@@ -137,12 +141,12 @@ class Linear(nn.Module):
             return output if adapter is None else output + adapter(input)
         if self.row_parallel:
             reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
-            partial = F.linear(input, weight)
+            partial = linear(input, weight)
             if adapter is not None:  # a partial sum too: the reduction adds the ranks' updates
                 partial = partial + adapter(input)
             output = reduce(partial, self._tensor_group)
             return output if bias is None else output + bias
-        output = F.linear(input, weight, bias)
+        output = linear(input, weight, bias)
         return output if adapter is None else output + adapter(input)
 
     def output_components(self, tp_size: int) -> tuple[tuple[TensorDim, ...], list[slice]]:

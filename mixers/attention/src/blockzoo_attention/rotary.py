@@ -84,11 +84,20 @@ def _frequencies_on(config: RotaryConfig, head_size: int, device: torch.device) 
     return None if found is None else (found[0].to(device), found[1])
 
 
+@torch.compiler.assume_constant_result
+def _constant_frequencies_on(
+    config: RotaryConfig, head_size: int, device: torch.device
+) -> tuple[torch.Tensor, float] | None:
+    """`_frequencies_on`, a constant to torch.compile: tracing a compiled block, it calls this rather than tracing
+    into the plugin registry, which it cannot (every block would break into several graphs)."""
+    return _frequencies_on(config, head_size, device)
+
+
 def rotary_tables(config: RotaryConfig, head_size: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos and sin, `[tokens, head_size]` in fp32, at the batch's positions; None without rotary embedding."""
 
     def compute() -> tuple[torch.Tensor, torch.Tensor] | None:
-        found = _frequencies_on(config, head_size, batch.device)
+        found = _constant_frequencies_on(config, head_size, batch.device)
         if found is None:
             return None
         inverse_frequencies, attention_factor = found
