@@ -72,7 +72,6 @@ from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "ACTIVATIONS": "blockzoo.layers.activations",
-    "GatedInput": "blockzoo.layers.gated",
     "IGNORE_INDEX": "blockzoo.layers.base",
     "Batch": "blockzoo.layers.base",
     "SequenceData": "blockzoo.layers.base",

@@ -15,7 +15,7 @@ from blockzoo_attention.config import (
     RotaryConfig,
     YarnRotaryConfig,
 )
-from blockzoo_attention.rotary import apply_rotary, frequencies, rotary_tables
+from blockzoo_attention.rotary import apply_rotary, frequencies, rotary_constants, rotary_tables
 
 HEAD_SIZE = 64
 ROTARY_CASES = [
@@ -91,7 +91,7 @@ def test_rotation_is_rotate_half_over_pairs(config):
     batch = Batch(lengths)
     generator = torch.Generator().manual_seed(1)
     heads = torch.randn(batch.num_tokens, 2, head_size, generator=generator)
-    rotated = apply_rotary(heads, rotary_tables(config, head_size, batch))
+    rotated = apply_rotary(heads, rotary_tables(rotary_constants(config, head_size), batch))
     for token in [0, 2, 3, 4, 500, 1002]:
         position = int(batch.positions[token])
         for head in range(2):
@@ -100,7 +100,7 @@ def test_rotation_is_rotate_half_over_pairs(config):
 
 
 def test_no_rotary_has_no_tables():
-    assert rotary_tables(NoRotaryConfig(), 8, Batch([3])) is None
+    assert rotary_constants(NoRotaryConfig(), 8) is None and rotary_tables(None, Batch([3])) is None
 
 
 def _variants(config: RotaryConfig) -> dict[str, RotaryConfig]:
@@ -146,10 +146,10 @@ def test_rotary_types_structure_through_the_registry():
 def test_the_tables_trace_into_one_compiled_graph():
     """torch.compile traces the tables' computation inside a compiled block without a break (it once traced into
     the plugin registry, whose lock split every attention block into several graphs), and computes what eager does."""
-    config = DefaultRotaryConfig(theta=10000.0)
+    rotary = rotary_constants(DefaultRotaryConfig(theta=10000.0), HEAD_SIZE)
 
     def rotated(heads: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return apply_rotary(heads, rotary_tables(config, HEAD_SIZE, batch))
+        return apply_rotary(heads, rotary_tables(rotary, batch))
 
     heads = torch.randn(10, 2, HEAD_SIZE)
     torch._dynamo.reset()

@@ -14,8 +14,7 @@
   since each rank's output only feeds that rank's share of the work, its gradients are partial sums,
   flagged for a sum over the tensor group.
 
-Activations are packed `[tokens, features]`. A row-parallel or replicated linear also takes a gated MLP's hidden layer
-unmade (`blockzoo.layers.gated.GatedInput`: gate‖up and the activation), which its product fuses.
+Activations are packed `[tokens, features]`.
 
 PEFT (`blockzoo.peft`): each component resolves its `apply_peft` from its config or the parent's `default_peft`; an
 adapter, once attached (`adapter`), adds its update where the output is still this rank's own: after the input
@@ -39,7 +38,6 @@ from blockzoo.distributed.ops import (
 )
 from blockzoo.layers.config import InitializationConfig, LinearConfig
 from blockzoo.layers.dims import TensorDim
-from blockzoo.layers.gated import GatedInput, linear
 from blockzoo.layers.parameter import create_parameter
 
 if TYPE_CHECKING:
@@ -127,13 +125,11 @@ class Linear(nn.Module):
             )
         )
 
-    def forward(self, input: torch.Tensor | GatedInput) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Master weights stay fp32; compute in the activations' dtype.
         weight = self.weight.to(input.dtype)
         bias = None if self.bias is None else self.bias.to(input.dtype)
         adapter = None if self.adapter is None or self.adapter.merged else self.adapter
-        if isinstance(input, GatedInput) and (adapter is not None or self.column_parallel or self.inside_tensor_region):
-            input = input.materialized()  # the adapter, or the entry into the tensor region, needs it made
         if self.column_parallel or self.inside_tensor_region:
             enter = gather_tokens if self._sequence_tensor_parallel else copy_to_tensor_region
             input = enter(input, self._tensor_group)
@@ -141,12 +137,12 @@ class Linear(nn.Module):
             return output if adapter is None else output + adapter(input)
         if self.row_parallel:
             reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
-            partial = linear(input, weight)
+            partial = F.linear(input, weight)
             if adapter is not None:  # a partial sum too: the reduction adds the ranks' updates
                 partial = partial + adapter(input)
             output = reduce(partial, self._tensor_group)
             return output if bias is None else output + bias
-        output = linear(input, weight, bias)
+        output = F.linear(input, weight, bias)
         return output if adapter is None else output + adapter(input)
 
     def output_components(self, tp_size: int) -> tuple[tuple[TensorDim, ...], list[slice]]:

@@ -47,7 +47,7 @@ from blockzoo.api import (
 )
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import Segments, select_kernel
-from blockzoo_attention.rotary import apply_rotary, rotary_tables
+from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
 
 
 class KeyValueCache:
@@ -212,6 +212,7 @@ class Attention(Mixer):
         )
         self.query_norm = self._head_norm(config.query_norm, "query_norm", lr_scale)
         self.key_norm = self._head_norm(config.key_norm, "key_norm", lr_scale)
+        self._rotary = rotary_constants(config.rotary, config.head_size)  # looked up here, never in the forward
 
     def _head_norm(self, config: NormalizationConfig | None, role: str, lr_scale: float) -> nn.Module | None:
         implementation = None if config is None else get_registry().implementation_of(config)
@@ -244,7 +245,7 @@ class Attention(Mixer):
             query = self.query_norm(query)
         if self.key_norm is not None:
             key = self.key_norm(key)
-        if (tables := rotary_tables(self.config.rotary, head_size, batch)) is not None:
+        if (tables := rotary_tables(self._rotary, batch)) is not None:
             query, key = apply_rotary(query, tables), apply_rotary(key, tables)
         return query, key, value
 

@@ -2,14 +2,15 @@
 
 Each rotary type has a frequency function `fn(config, head_size) -> (inverse_frequencies, attention_factor)`
 registered as its implementation: `inverse_frequencies` (float64, head_size/2 values) gives each pair's
-angle per position, `attention_factor` scales the cos/sin tables (YaRN). The tables for a batch are
-computed once per distinct (config, head_size) through `Batch.preprocessed`.
+angle per position, `attention_factor` scales the cos/sin tables (YaRN). A mixer keeps them as constants
+(`Rotary`); the tables for a batch are computed once per distinct `Rotary` through `Batch.preprocessed`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -76,37 +77,48 @@ def frequencies(config: RotaryConfig, head_size: int) -> tuple[torch.Tensor, flo
     return None if implementation is None else implementation(config, head_size)
 
 
+class Rotary(NamedTuple):
+    """A rotary embedding's constants: each pair's inverse frequency (float64 values as Python floats) and the
+    attention factor. A mixer looks them up once, when it is built (`rotary_constants`), so that its forward, which
+    torch.compile traces inside a compiled block, never calls the plugin registry (torch.compile cannot trace it:
+    every block broke into several graphs)."""
+
+    inverse_frequencies: tuple[float, ...]
+    attention_factor: float
+
+
+def rotary_constants(config: RotaryConfig, head_size: int) -> Rotary | None:
+    """The `Rotary` of a rotary type for heads of `head_size`; None for a type without embedding (`none`)."""
+    with torch.device("cpu"):  # values, whatever the default device (a model built on the meta device)
+        found = frequencies(config, head_size)
+    return None if found is None else Rotary(tuple(found[0].tolist()), float(found[1]))
+
+
 @functools.lru_cache(maxsize=64)
-def _frequencies_on(config: RotaryConfig, head_size: int, device: torch.device) -> tuple[torch.Tensor, float] | None:
-    """`frequencies` copied to the device once: a copy from pageable host memory in every step would make the host
-    wait for the device."""
-    found = frequencies(config, head_size)
-    return None if found is None else (found[0].to(device), found[1])
+def _copied(values: tuple[float, ...], device_type: str, device_index: int | None) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64, device=torch.device(device_type, device_index))
 
 
 @torch.compiler.assume_constant_result
-def _constant_frequencies_on(
-    config: RotaryConfig, head_size: int, device: torch.device
-) -> tuple[torch.Tensor, float] | None:
-    """`_frequencies_on`, a constant to torch.compile: tracing a compiled block, it calls this rather than tracing
-    into the plugin registry, which it cannot (every block would break into several graphs)."""
-    return _frequencies_on(config, head_size, device)
+def _on_device(values: tuple[float, ...], device_type: str, device_index: int | None) -> torch.Tensor:
+    """float64 `values` on the device, copied once (a copy from pageable host memory in every step would make the
+    host wait for the device); a constant to torch.compile, which calls this rather than tracing the cache."""
+    return _copied(values, device_type, device_index)
 
 
-def rotary_tables(config: RotaryConfig, head_size: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rotary_tables(rotary: Rotary | None, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos and sin, `[tokens, head_size]` in fp32, at the batch's positions; None without rotary embedding."""
+    if rotary is None:
+        return None
 
-    def compute() -> tuple[torch.Tensor, torch.Tensor] | None:
-        found = _constant_frequencies_on(config, head_size, batch.device)
-        if found is None:
-            return None
-        inverse_frequencies, attention_factor = found
+    def compute() -> tuple[torch.Tensor, torch.Tensor]:
+        inverse_frequencies = _on_device(rotary.inverse_frequencies, batch.device.type, batch.device.index)
         # float64 angles: positions in the hundreds of thousands keep their precision.
         angles = batch.positions.to(torch.float64)[:, None] * inverse_frequencies[None, :]
         angles = torch.cat([angles, angles], dim=-1)
-        return (angles.cos() * attention_factor).float(), (angles.sin() * attention_factor).float()
+        return (angles.cos() * rotary.attention_factor).float(), (angles.sin() * rotary.attention_factor).float()
 
-    return batch.preprocessed(("blockzoo_attention.rotary", config, head_size), compute)
+    return batch.preprocessed(("blockzoo_attention.rotary", rotary), compute)
 
 
 def apply_rotary(heads: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -19,7 +19,6 @@ from blockzoo.api import (
     Batch,
     ConcatenatedTensorDim,
     Distributed,
-    GatedInput,
     Linear,
     NormalInitializationConfig,
     TensorDim,
@@ -34,6 +33,7 @@ class DenseMLP(MLP):
         lr_scale = lr_scale * (1.0 if config.lr_scale is None else config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         self._activation = ACTIVATIONS[config.activation]
+        self._tensor_size = distributed.tensor_size
         initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
         size = config.intermediate_size
         self.intermediate_dim = TensorDim("intermediate", size, parallel=True)
@@ -78,9 +78,10 @@ class DenseMLP(MLP):
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
         projected = self.input_projection(hidden)
         if self.config.gated:
-            # gate‖up (this rank's columns of each) handed to the down projection unmade: its product fuses the
-            # gating (SwiGLU on CUDA) and keeps gate‖up for the backward, not the hidden layer.
-            intermediate = GatedInput(projected, self.config.activation, self.config.gate_multiplier)
+            gate, up = projected.split(self.intermediate_dim.local_size(self._tensor_size), dim=-1)
+            if self.config.gate_multiplier != 1:
+                gate = gate * self.config.gate_multiplier
+            intermediate = self._activation(gate) * up
         else:
             intermediate = self._activation(projected)
         output = self.down(intermediate)
