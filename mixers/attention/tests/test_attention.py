@@ -198,6 +198,28 @@ def test_auto_picks_the_torch_kernel_on_cpu():
         select_kernel("varlen", query)
 
 
+def test_a_compiled_mixer_traces_into_one_graph(monkeypatch):
+    """torch.compile traces the mixer's forward and backward, on the path a GPU takes for whole rows (SDPA over
+    `[documents, heads, length, head_size]`, made available here on the CPU), without a graph break: a break (the
+    plugin registry reached from the forward, once) splits every compiled block into several graphs, whose borders
+    cost copies and gradient sums on the GPU, and keeps more activations."""
+    monkeypatch.setattr(type(KERNELS["batched"]), "unavailable", lambda self, query: None)
+    mixer = build({**SMALL, "implementation": "batched", "head_groups": 2})
+    hidden, _ = layer_inputs(2 * 6)
+    batches = iter([Batch([6, 6]) for _ in range(3)])  # a fresh one per call (its tables are computed inside)
+
+    def step(hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return mixer(hidden, batch).square().sum()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(step)(hidden.clone().requires_grad_(), next(batches))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    leaves = [hidden.clone().requires_grad_() for _ in range(2)]
+    torch.compile(step)(leaves[0], next(batches)).backward()
+    step(leaves[1], next(batches)).backward()
+    torch.testing.assert_close(leaves[0].grad, leaves[1].grad)
+
+
 def test_rotary_tables_are_shared_only_by_equal_settings():
     batch = Batch(LENGTHS)
     hidden, _ = layer_inputs(sum(LENGTHS))

@@ -142,17 +142,3 @@ def test_rotary_types_structure_through_the_registry():
     with pytest.raises(configs.ConfigError, match="theta: must be > 0"):
         configs.structure({"theta": 0}, RotaryConfig)
 
-
-def test_the_tables_trace_into_one_compiled_graph():
-    """torch.compile traces the tables' computation inside a compiled block without a break (it once traced into
-    the plugin registry, whose lock split every attention block into several graphs), and computes what eager does."""
-    rotary = rotary_constants(DefaultRotaryConfig(theta=10000.0), HEAD_SIZE)
-
-    def rotated(heads: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return apply_rotary(heads, rotary_tables(rotary, batch))
-
-    heads = torch.randn(10, 2, HEAD_SIZE)
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(rotated)(heads, Batch([6, 4]))
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    torch.testing.assert_close(torch.compile(rotated)(heads, Batch([6, 4])), rotated(heads, Batch([6, 4])))
