@@ -141,4 +141,3 @@ def test_rotary_types_structure_through_the_registry():
         configs.structure({"type": "yarn", "beta_fast": 4, "beta_slow": 8}, RotaryConfig)
     with pytest.raises(configs.ConfigError, match="theta: must be > 0"):
         configs.structure({"theta": 0}, RotaryConfig)
-
