@@ -42,7 +42,7 @@ from blockzoo.api import (
     get_registry,
 )
 from blockzoo_attention.kernels import Segments, select_kernel
-from blockzoo_attention.rotary import apply_rotary, rotary_tables
+from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
 from blockzoo_mla.config import MLAConfig
 
 
@@ -124,6 +124,8 @@ class MultiHeadLatentAttention(Mixer):
             f"{name}.key_value_up", config.key_value_up, self._latent_norm_dim, key_value_dim, **up
         )
         self.dense = Linear(f"{name}.dense", config.dense, value_dim, hidden_dim, default_peft=True, **linear)
+        # Looked up here, never in the forward (which torch.compile traces: see blockzoo_attention.rotary.Rotary).
+        self._rotary = rotary_constants(config.rotary, config.rotary_head_size)
 
     def _norm(self, config: NormalizationConfig, role: str, dim: TensorDim, lr_scale: float) -> nn.Module:
         implementation = get_registry().implementation_of(config)
@@ -177,7 +179,7 @@ class MultiHeadLatentAttention(Mixer):
     # -- forward -----------------------------------------------------------------------------------------------------
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: LatentCache | None = None) -> torch.Tensor:
-        tables = rotary_tables(self.config.rotary, self.config.rotary_head_size, batch)
+        tables = rotary_tables(self._rotary, batch)
         query_nope, query_rotary = self._queries(hidden, tables)
         latent, rotary_key = self._latents(hidden, tables)
         queries = keys = Segments.of(batch)
