@@ -94,6 +94,7 @@ def rotary_constants(config: RotaryConfig, head_size: int) -> Rotary | None:
     return None if found is None else Rotary(tuple(found[0].tolist()), float(found[1]))
 
 
+# Two functions: torch.compile looks through an lru_cache and would ignore the constant mark put on it.
 @functools.lru_cache(maxsize=64)
 def _copied(values: tuple[float, ...], device_type: str, device_index: int | None) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64, device=torch.device(device_type, device_index))
