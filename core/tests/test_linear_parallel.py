@@ -123,6 +123,22 @@ def test_single_process_linear_is_a_plain_affine_map():
     torch.testing.assert_close(linear(input), input @ linear.weight.T + linear.bias)
 
 
+def test_forward_split_gives_the_split_output_and_its_gradients():
+    model = GatedMLP(_single_process())
+    input, output_weights = torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, 2 * INTERMEDIATE)
+    results = []
+    for split in (
+        lambda x: model.gate_up(x).split(INTERMEDIATE, dim=-1),
+        lambda x: model.gate_up.forward_split(x, INTERMEDIATE),
+    ):
+        model.zero_grad()
+        leaf = input.clone().requires_grad_()
+        parts = split(leaf)
+        (torch.cat(parts, dim=-1) * output_weights).sum().backward()
+        results.append((parts, leaf.grad, model.gate_up.weight.grad.clone(), model.gate_up.bias.grad.clone()))
+    torch.testing.assert_close(results[1], results[0])
+
+
 def test_flops_match_the_torch_counter():
     def count(linear, tokens):
         input = torch.randn(tokens, 5, requires_grad=True)

@@ -76,14 +76,14 @@ class DenseMLP(MLP):
         return self.gate_up if self.config.gated else self.up
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
-        projected = self.input_projection(hidden)
         if self.config.gated:
-            gate, up = projected.split(self.intermediate_dim.local_size(self._tensor_size), dim=-1)
+            # Two products rather than one split afterwards: a faster backward pass once compiled (see forward_split).
+            gate, up = self.gate_up.forward_split(hidden, self.intermediate_dim.local_size(self._tensor_size))
             if self.config.gate_multiplier != 1:
                 gate = gate * self.config.gate_multiplier
             intermediate = self._activation(gate) * up
         else:
-            intermediate = self._activation(projected)
+            intermediate = self._activation(self.up(hidden))
         output = self.down(intermediate)
         return output if self.config.down_multiplier == 1 else output * self.config.down_multiplier
 
