@@ -60,6 +60,7 @@ TINY_COMMON = [
     "model.embeddings.vocab_size=256",
     "data.sequence_length=32",
     "data.micro_batch_size=2",
+    "training.cuda_graphs=false",  # both examples graph their steps, which needs CUDA: --tiny checks the code on a CPU
 ]
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
 

@@ -139,6 +139,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_run_says_why(tmp_pa
         "data.micro_batch_size=2",
         "data.min_document_length=256",
         f"training.train_iters={STEPS}",
+        "training.cuda_graphs=false",  # the example graphs its steps; the eager references do not
     ]
     eager = train_eagerly_twice(tmp_path, moe, example="gpu.yaml")
     graphed = train(tmp_path, "graphed", [*moe, "training.cuda_graphs=true"], example="gpu.yaml")
