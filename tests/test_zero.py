@@ -41,9 +41,11 @@ WEIGHT_TOLERANCE = {"rtol": 2e-5, "atol": 1e-4}
 # bf16 compute (fp32 master weights, gathered in fp32): the ranks' micro-batches hold other samples than the single
 # process's, so bf16 rounds other sums; the differences stay at bf16's resolution.
 BF16_TOLERANCE = {"rtol": 2e-2, "atol": 2e-3}
-# Measured: updates within 6% of the single process's (Adam magnifies small gradients' rounding). A gradient of the
+# Measured: most updates within 6% of the single process's (Adam magnifies small gradients' rounding); a norm's
+# weight, whose gradient sums small terms that cancel, up to 21%, and the bf16 single-process run is itself that far
+# from the fp32 run on such a weight. A sharding error moves a weight by about its whole update; a gradient of the
 # wrong scale shows in the gradient norms, compared to 2%.
-BF16_UPDATE_TOLERANCE = 0.15
+BF16_UPDATE_TOLERANCE = 0.35
 STEPS = 3
 
 MOE = {
