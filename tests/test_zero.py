@@ -363,7 +363,7 @@ def _check_the_zero3_tp2_checkpoint_on_one_process(root: Path) -> None:
     assert converted_tensors.keys() == exported_tensors.keys()
     assert all(torch.equal(converted_tensors[name], exported_tensors[name]) for name in exported_tensors)
     transformers = pytest.importorskip("transformers")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(converted).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(converted, use_safetensors=True).eval()
     input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(input_ids).logits, model(input_ids), rtol=1e-4, atol=1e-4)

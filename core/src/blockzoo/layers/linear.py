@@ -129,7 +129,7 @@ class Linear(nn.Module):
         # Master weights stay fp32; compute in the activations' dtype.
         weight = self.weight.to(input.dtype)
         bias = None if self.bias is None else self.bias.to(input.dtype)
-        adapter = None if self.adapter is None or self.adapter.merged else self.adapter
+        adapter = self._active_adapter
         if self.row_parallel:
             reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
             partial = F.linear(input, weight)
@@ -146,19 +146,24 @@ class Linear(nn.Module):
         the weight; not for a row-parallel linear.
 
         The values are the same; the backward pass under torch.compile is not. Of one product split afterwards, the
-        gradient is the concatenation of the parts' gradients, which inductor writes with one kernel of masked
-        loads, each element reading the inputs of both parts (Llama-1B's SwiGLU backward on an H200: 1.2 ms a layer,
-        about half the memory bandwidth); of separate products, both parts' gradients come from one plain pass
-        (0.6 ms)."""
+        gradient is the concatenation of the parts' gradients, which inductor writes with one kernel in which every
+        element loads its own inputs under a mask, so the inputs the parts share are read twice (Llama-1B's SwiGLU
+        backward on an H200: 1.18 ms a layer); of separate products, both parts' gradients come from one plain pass
+        (0.62 ms)."""
         if self.row_parallel:
             raise NotImplementedError(f"linear {self.name!r}: forward_split of a row-parallel linear")
         weights = self.weight.to(input.dtype).split(size)
         biases = [None] * len(weights) if self.bias is None else self.bias.to(input.dtype).split(size)
         input = self._enter(input)
         outputs = tuple(F.linear(input, weight, bias) for weight, bias in zip(weights, biases))
-        if self.adapter is None or self.adapter.merged:
+        if (adapter := self._active_adapter) is None:
             return outputs
-        return tuple(output + update for output, update in zip(outputs, self.adapter(input).split(size, dim=-1)))
+        return tuple(output + update for output, update in zip(outputs, adapter(input).split(size, dim=-1)))
+
+    @property
+    def _active_adapter(self) -> nn.Module | None:
+        """The adapter whose update is still to be added (none once merged into the weight)."""
+        return None if self.adapter is None or self.adapter.merged else self.adapter
 
     def _enter(self, input: torch.Tensor) -> torch.Tensor:
         """The input of a column-parallel linear, or one inside the tensor region, enters the region."""
