@@ -12,7 +12,7 @@ ROOT = Path(__file__).parent
 # Installed first: a bare `torch` requirement would pull a multi-GB CUDA build where none is installed.
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
-DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "plugins/examples/*"]
+DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "trackers/*", "evaluation/*", "plugins/examples/*"]
 
 nox.options.sessions = ["lint", "tests"]
 # The distributions of the demo, installed together (examples/moe.yaml also runs there).

@@ -52,6 +52,10 @@ FIRST_PARTY_DISTRIBUTIONS = frozenset(
         "blockzoo-mlp",
         "blockzoo-moe",
         "blockzoo-huggingface",
+        "blockzoo-tensorboard",
+        "blockzoo-wandb",
+        "blockzoo-mlflow",
+        "blockzoo-lm-eval",
     }
 )
 # Where a first-party type comes from, to tell a user what to install.
@@ -64,6 +68,10 @@ FIRST_PARTY_TYPES = {
     ("mixer", "mla"): "blockzoo-mla",
     ("mlp", "mlp"): "blockzoo-mlp",
     ("mlp", "moe"): "blockzoo-moe",
+    ("tracker", "tensorboard"): "blockzoo-tensorboard",
+    ("tracker", "wandb"): "blockzoo-wandb",
+    ("tracker", "mlflow"): "blockzoo-mlflow",
+    ("benchmark", "lm_eval"): "blockzoo-lm-eval",
 }
 
 # Which kinds each registration hook may register.

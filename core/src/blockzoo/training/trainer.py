@@ -254,7 +254,7 @@ class Trainer:
         self._log_start()
         if not trained:
             return self.history
-        metrics = MetricsFile(self.output_dir, start_step=self.step) if self.distributed.rank == 0 else None
+        self._metrics = MetricsFile(self.output_dir, start_step=self.step) if self.distributed.rank == 0 else None
         started = time.perf_counter()
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
@@ -284,9 +284,9 @@ class Trainer:
                 timer.reset()
             if evaluates:
                 tokens = self.step * current.tokens
-                entry = {"step": self.step, "tokens": tokens, **entry, "evaluation_loss": self._evaluate()}
-            if entry and metrics is not None:
-                metrics.write(entry)
+                entry = {"step": self.step, "tokens": tokens, **entry, **self._evaluate()}
+            if entry:
+                self._record(entry)
             self._progress.advance(self.history[-1].loss if logs else None)
             interval = self.config.checkpoint_interval
             stop = self._stop_requested(signals)
@@ -301,6 +301,11 @@ class Trainer:
         if trained and self.config.export_format is not None:
             self.export()
         return self.history
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        """A logged step's figures (training, evaluation or both): to the metrics file, on rank 0."""
+        if self._metrics is not None:
+            self._metrics.write(entry)
 
     def _shows_progress(self) -> bool:
         """A progress bar on rank 0 when the log is the terminal's (the bar itself needs stderr to be one)."""
@@ -541,7 +546,8 @@ class Trainer:
     # -- evaluation, checkpoints ---------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> dict[str, float]:
+        """The evaluation figures of this step, as the metrics file names them."""
         self.model.eval()
         device = self.distributed.device
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
@@ -561,7 +567,7 @@ class Trainer:
         self.model.train()
         self.evaluations.append((self.step, loss))
         self.log(f"evaluation at step {self.step}: loss {loss:.4f}")
-        return loss
+        return {"evaluation_loss": loss}
 
     def save(self) -> Path:
         """Save `step_<N>` (every rank), then prune to `checkpoint_keep`. A weight (or optimizer state) that is not
