@@ -296,7 +296,10 @@ def test_config_refuses_what_train_would_refuse_before_its_first_step(tiny_file,
         "config", tiny_file, "distributed.tensor_parallel=2", "model.decoder.block.mixer.heads=2", "--processes", 2
     )
     assert passed.returncode == 0, passed.stderr
-    assert "checked: the layout of 2 process(es): 1 data-parallel" in passed.stderr
+    assert (
+        "checked: the layout of 2 process(es): 2 tensor-parallel × 1 sequence-data-parallel × 1 data-parallel × "
+        "1 pipeline stage" in passed.stderr
+    )
     assert "the model, built on the meta device" in passed.stderr
     assert "not checked (needs the data read or the ranks started):" in passed.stderr
     assert "each rank's part of the model" in passed.stderr

@@ -59,7 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--traceback", "--debug", action="store_true", help="show the traceback of an error (or BLOCKZOO_TRACEBACK=1)"
     )
-    parser.set_defaults(run=lambda _: parser.print_help() or USAGE_ERROR)
+    parser.add_argument(
+        "--version", action="store_true", help="print the versions of blockzoo and of every installed plugin"
+    )
+    parser.set_defaults(run=lambda arguments: _version() if arguments.version else parser.print_help() or USAGE_ERROR)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     plugins = commands.add_parser("plugins", help="list the installed plugins and the types they provide")
@@ -171,6 +174,7 @@ def _generate(arguments: argparse.Namespace) -> int:
     import torch
 
     from blockzoo.data.dataset import build_dataset
+    from blockzoo.data.errors import DatasetError
     from blockzoo.data.tokenizer import origin_tokenizer
     from blockzoo.model.factory import load
 
@@ -187,11 +191,17 @@ def _generate(arguments: argparse.Namespace) -> int:
         raise UsageError(f"{arguments.checkpoint} has no tokenizer.json to encode the prompt with")
     else:
         vocab_size = run_config.model.embeddings.vocab_size  # (random data takes the model's)
-        tokenizer = build_dataset(
-            run_config.data, seed=run_config.distributed.seed, model_vocab_size=vocab_size
-        ).tokenizer
+        data_type = get_registry().name_of(type(run_config.data))
+        try:  # the training data is read for its tokenizer only
+            tokenizer = build_dataset(
+                run_config.data, seed=run_config.distributed.seed, model_vocab_size=vocab_size
+            ).tokenizer
+        except DatasetError as error:
+            raise UsageError(
+                f"{arguments.checkpoint} carries no tokenizer.json, and its training data ({data_type} type) cannot "
+                f"give one: {error}"
+            ) from None
         if tokenizer is None:
-            data_type = get_registry().name_of(type(run_config.data))
             raise UsageError(f"the checkpoint's data ({data_type} type) has no tokenizer to encode a prompt")
         stop_tokens = getattr(tokenizer, "eod_token_id", None)
     prompts = [tokenizer.encode(prompt) for prompt in arguments.prompt]
@@ -284,7 +294,19 @@ def _config(arguments: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# blockzoo plugins
+# blockzoo plugins, blockzoo --version
+
+
+def _version() -> int:
+    """`blockzoo 0.1.0`, then each plugin's distribution and version (the ones that did not load say so)."""
+    from blockzoo import __version__
+
+    print(f"blockzoo {__version__}")
+    for record in get_registry(strict=False).plugins.values():
+        if record.distribution and record.name != "blockzoo":
+            status = "" if record.status == "loaded" else f" ({record.status})"
+            print(f"{record.distribution} {record.version} (plugin {record.name!r}){status}")
+    return 0
 
 
 def _plugins(arguments: argparse.Namespace) -> int:

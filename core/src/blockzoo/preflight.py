@@ -39,7 +39,7 @@ def preflight(run_config: RunConfig, *, processes: int = 1) -> Preflight:
     distributed = run_config.distributed
     try:
         data_parallel = distributed.data_parallel(processes)
-        checked.append(f"the layout of {processes} process(es): {data_parallel} data-parallel")
+        checked.append(f"the layout of {processes} process(es): {_mesh_line(distributed, data_parallel)}")
     except ValueError:
         data_parallel = 1
         problems.append(
@@ -176,3 +176,13 @@ def _check_data(run_config: RunConfig, data_parallel: int, problems, checked: li
     _run(problems, "data", build_and_take_batches)
     if len(problems) == before:
         checked.append(f"the {name} data: built, a first micro-batch of each split the run reads")
+
+
+def _mesh_line(distributed, data_parallel: int) -> str:
+    """Every dimension of the device mesh, in the order ranks are laid out (tensor fastest), e.g.
+    `2 tensor-parallel × 2 sequence-data-parallel × 1 data-parallel × 1 pipeline stage`."""
+    stages = distributed.pipeline_parallel
+    return (
+        f"{distributed.tensor_parallel} tensor-parallel × {distributed.sequence_data_parallel} sequence-data-parallel × "
+        f"{data_parallel} data-parallel × {stages} pipeline stage{'' if stages == 1 else 's'}"
+    )

@@ -350,11 +350,15 @@ def _checkpoint_directory(path: Path) -> Path:
     if (path / "metadata.yaml").is_file():
         return path
     # A newer checkpoint that fails verification is skipped for the one before it, and said (on stderr).
-    latest = (
-        latest_checkpoint(path, report=lambda skipped: print(f"blockzoo: {skipped}", file=sys.stderr))
-        if path.is_dir()
-        else None
-    )
+    skipped: list[str] = []
+
+    def report(line: str) -> None:
+        skipped.append(line)
+        print(f"blockzoo: {line}", file=sys.stderr)
+
+    latest = latest_checkpoint(path, report=report) if path.is_dir() else None
+    if latest is None and skipped:
+        raise CheckpointError(path, f"is a run directory, but none of its {len(skipped)} checkpoints can be read (above)")
     if latest is None:
         raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")
     return latest

@@ -1,0 +1,100 @@
+"""What a newcomer tripped on, through the real CLI: `blockzoo --version`, the core-only example config, every mesh
+dimension in `blockzoo config --processes`, and `blockzoo generate` on checkpoints that cannot give a tokenizer
+(a Llama export converted back; a run whose plugin is gone) ending in one right message, exit 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import blockzoo
+
+ROOT = Path(__file__).parents[1]
+USAGE_ERROR = 2
+TINY = {
+    "model": {
+        "hidden_size": 16,
+        "embeddings": {"vocab_size": 257},
+        "decoder": {
+            "num_blocks": 1,
+            "block": {
+                "mixer": {"type": "attention", "heads": 2, "head_size": 8},
+                "mlp": {"type": "moe", "experts": 2, "experts_per_token": 1, "intermediate_size": 16},
+            },
+        },
+    },
+    "data": {"type": "embedded", "num_documents": 20, "sequence_length": 16, "micro_batch_size": 1},
+}
+
+
+def blockzoo_command(*arguments, **environment) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "blockzoo", *map(str, arguments)],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env={**os.environ, "PYTHONIOENCODING": "utf-8", **environment},
+        timeout=180,
+    )
+
+
+def assert_usage_error(result: subprocess.CompletedProcess, *expected: str) -> None:
+    assert result.returncode == USAGE_ERROR, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for text in expected:
+        assert text in result.stderr, f"{text!r} not in: {result.stderr}"
+
+
+def test_version_names_the_core_and_every_plugin():
+    result = blockzoo_command("--version")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"blockzoo {blockzoo.__version__}"
+    from importlib.metadata import version
+
+    assert f"blockzoo-attention {version('blockzoo-attention')} (plugin 'attention')" in lines
+
+
+def test_the_core_only_example_config_is_accepted():
+    result = blockzoo_command("config", ROOT / "examples" / "run.yaml")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["data"]["type"] == "random"
+
+
+def test_config_processes_names_every_mesh_dimension(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(TINY | {"model": {**TINY["model"], "decoder": {"num_blocks": 2}}}))
+    result = blockzoo_command(
+        "config", config, "distributed.sequence_data_parallel=2", "model.decoder.block.mixer.type=mamba_2",
+        "model.decoder.block.mlp.type=none", "--processes", 4,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = "1 tensor-parallel × 2 sequence-data-parallel × 2 data-parallel × 1 pipeline stage"
+    assert f"the layout of 4 process(es): {expected}" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("native") / "checkpoint"
+    blockzoo.save(blockzoo.build(TINY), path)
+    return path
+
+
+def test_generate_on_an_export_converted_back_says_there_is_no_tokenizer(checkpoint, tmp_path):
+    assert blockzoo_command("convert", checkpoint, tmp_path / "exported", "--format", "mixtral").returncode == 0
+    assert blockzoo_command("convert", tmp_path / "exported", tmp_path / "back").returncode == 0
+    result = blockzoo_command("generate", tmp_path / "back", "--prompt", "Once", "--max-new-tokens", 2)
+    assert_usage_error(result, "carries no tokenizer.json, and its training data (memmap type) cannot give one")
+
+
+def test_generate_of_a_run_whose_plugin_is_gone_says_that_alone(checkpoint, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(checkpoint, run / "step_1")
+    result = blockzoo_command("generate", run, "--prompt", "Once", BLOCKZOO_DISABLE_PLUGINS="moe")
+    assert_usage_error(result, "moe", "is a run directory, but none of its 1 checkpoints can be read")
+    assert "nor a run directory" not in result.stderr
+    assert blockzoo_command("generate", run, "--prompt", "Once", "--max-new-tokens", 1).returncode == 0
