@@ -181,8 +181,12 @@ def _check_data(run_config: RunConfig, data_parallel: int, problems, checked: li
 def _mesh_line(distributed, data_parallel: int) -> str:
     """Every dimension of the device mesh, in the order ranks are laid out (tensor fastest), e.g.
     `2 tensor-parallel × 2 sequence-data-parallel × 1 data-parallel × 1 pipeline stage`."""
-    stages = distributed.pipeline_parallel
+    tensor, sequence, stages = (
+        distributed.tensor_parallel,
+        distributed.sequence_data_parallel,
+        distributed.pipeline_parallel,
+    )
     return (
-        f"{distributed.tensor_parallel} tensor-parallel × {distributed.sequence_data_parallel} sequence-data-parallel × "
-        f"{data_parallel} data-parallel × {stages} pipeline stage{'' if stages == 1 else 's'}"
+        f"{tensor} tensor-parallel × {sequence} sequence-data-parallel × {data_parallel} data-parallel × "
+        f"{stages} pipeline stage{'' if stages == 1 else 's'}"
     )

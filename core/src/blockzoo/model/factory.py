@@ -358,7 +358,8 @@ def _checkpoint_directory(path: Path) -> Path:
 
     latest = latest_checkpoint(path, report=report) if path.is_dir() else None
     if latest is None and skipped:
-        raise CheckpointError(path, f"is a run directory, but none of its {len(skipped)} checkpoints can be read (above)")
+        count = len(skipped)
+        raise CheckpointError(path, f"is a run directory, but none of its {count} checkpoints can be read (above)")
     if latest is None:
         raise CheckpointError(path, "is not a checkpoint (no metadata.yaml) nor a run directory holding checkpoints")
     return latest
