@@ -9,6 +9,7 @@ from blockzoo.peft import config as peft
 from blockzoo.plugins import PluginInfo, hookimpl
 from blockzoo.ssm import config as ssm
 from blockzoo.training import config as training
+from blockzoo.training import tracking_config as tracking
 
 
 @hookimpl
@@ -47,4 +48,5 @@ def register_components(register) -> None:
     register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")
     register("lora", peft.LoraConfig, "blockzoo.peft.lora:LoraAdapter")
     register("adamw", training.AdamWConfig, "blockzoo.training.optimizer:AdamW")
+    register("jsonl", tracking.JsonlTrackerConfig, "blockzoo.training.metrics:JsonlTracker")
     data.register(register)

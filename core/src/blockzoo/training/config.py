@@ -14,6 +14,7 @@ from blockzoo.config import (
     field,
     greater_than,
 )
+from blockzoo.training.tracking_config import TrackerConfig
 
 
 @configclass
@@ -83,6 +84,17 @@ class TrainingConfig(Config):
         None, doc="Save every this many steps (and at the end); None: only at the end.", validator=at_least(1)
     )
     checkpoint_keep: int = field(3, doc="How many of the latest checkpoints to keep.", validator=at_least(1))
+    trackers: dict[str, TrackerConfig | None] = field(
+        factory=dict,
+        doc="Where the run's figures go, by name (several at once), merged over `{jsonl: {type: jsonl}}` (the run's "
+        "`metrics.jsonl`): adding a tracker keeps jsonl, `jsonl: null` turns it off. Types: `jsonl`, `tensorboard`, "
+        "`wandb`, `mlflow` (each its own plugin distribution), `<plugin>.<name>`. See docs/tracking.md.",
+    )
+    trackers_required: bool = field(
+        False,
+        doc="A tracker that fails (library missing, disk full, network down, an error in it) stops the run with an "
+        "error naming it. False: the failure is reported once and the run trains on without that tracker.",
+    )
     checkpoint_base_weights: bool = field(
         False,
         doc="A PEFT fine-tuning (`model.peft`) of a `model.pretrained` base: also write the frozen base weights into "

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from blockzoo.training.tracking import Tracker, TrackerRun
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -48,3 +50,15 @@ class MetricsFile:
     def write(self, entry: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps(entry) + "\n")
+
+
+class JsonlTracker(Tracker):
+    """The core's tracker `jsonl`: the run's `metrics.jsonl` (`MetricsFile`), every entry as it is."""
+
+    file: MetricsFile
+
+    def start(self, run: TrackerRun) -> None:
+        self.file = MetricsFile(run.output_dir, start_step=run.start_step)
+
+    def log(self, step: int, entry: dict[str, Any]) -> None:
+        self.file.write(entry)

@@ -46,6 +46,7 @@ from blockzoo.checkpoint import (
     read_origin,
     save_checkpoint,
 )
+from blockzoo.config import to_dict
 from blockzoo.conversion import get_format
 from blockzoo.data.dataset import TrainingBatches, build_dataset
 from blockzoo.data.errors import DatasetError
@@ -70,7 +71,6 @@ from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.training.graphs import StepGraph, check_cuda_graphs_possible
-from blockzoo.training.metrics import MetricsFile
 from blockzoo.training.optimizer import learning_rate, unique_trainable
 from blockzoo.training.progress import Progress, write_line
 from blockzoo.training.random_state import random_states, restore_random_states
@@ -79,12 +79,15 @@ from blockzoo.training.reporting import (
     memory_report,
     memory_usage,
     metrics_entry,
+    parameter_counts,
     parameters_line,
     peak_flops,
     step_line,
     tokens_line,
 )
 from blockzoo.training.step import PlacedMicroBatch, StepData, StepFigures, place_micro_batch, to_host
+from blockzoo.training.tracking import RunStatus, TrackerRun, Trackers, TrackingError
+from blockzoo.training.tracking_config import active_trackers
 
 
 class TrainingError(RuntimeError):
@@ -241,20 +244,59 @@ class Trainer:
         """Train to `train_iters` (or, after SIGTERM / SIGINT, to the next step boundary, saving there)."""
         bar = Progress(total=self.config.train_iters, initial=self.step, enabled=self._shows_progress())
         with _StopSignals(self.log) as signals, bar as self._progress:
+            self._trackers: Trackers | None = None  # started by `_run` on rank 0
             try:
-                return self._run(signals)
+                history = self._run(signals)
             except Stopped as stopped:
                 last = latest_checkpoint(self.output_dir)
                 kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
                 name = signal.Signals(stopped.signal_number).name
-                raise Stopped(stopped.signal_number, f"stopped at once by a second {name}; {kept}") from None
+                message = f"stopped at once by a second {name}; {kept}"
+                self._finish_trackers("interrupted", message, failing=True)
+                raise Stopped(stopped.signal_number, message) from None
+            except TrackingError as error:  # a required tracker failed
+                self._finish_trackers("failed", str(error), failing=True)
+                raise TrainingError(str(error)) from None
+            except BaseException as error:
+                self._finish_trackers("failed", f"{type(error).__name__}: {error}", failing=True)
+                raise
+            self._finish_trackers("interrupted" if signals.received is not None else "finished")
+            return history
+
+    def _start_trackers(self) -> Trackers:
+        """The run's trackers (`training.trackers`, rank 0), told the run's config, parameters and start step."""
+        counts = {
+            label: {"parameters": size, "layers": layers}
+            for label, (size, layers) in parameter_counts(self.model).items()
+        }
+        counts["total"] = {"parameters": sum(count["parameters"] for count in counts.values()), "layers": 0}
+        config, output_dir, step = to_dict(self.run_config), self.output_dir, self.step
+
+        def run_for(name: str) -> TrackerRun:
+            return TrackerRun(config=config, parameters=counts, output_dir=output_dir, start_step=step, name=name)
+
+        return Trackers(
+            active_trackers(self.config.trackers), run_for, required=self.config.trackers_required, report=self.log
+        )
+
+    def _finish_trackers(self, state: str, message: str | None = None, *, failing: bool = False) -> None:
+        """Tell the trackers how the run ended. While the run fails already, a tracker's failure is only reported."""
+        trackers, self._trackers = self._trackers, None
+        if trackers is None:
+            return
+        try:
+            trackers.finish(RunStatus(state=state, step=self.step, message=message))
+        except TrackingError as error:
+            if not failing:
+                raise TrainingError(str(error)) from None
+            self.log(str(error))
 
     def _run(self, signals: _StopSignals) -> list[StepRecord]:
         trained = self.step < self.config.train_iters
         self._log_start()
         if not trained:
             return self.history
-        self._metrics = MetricsFile(self.output_dir, start_step=self.step) if self.distributed.rank == 0 else None
+        self._trackers = self._start_trackers() if self.distributed.rank == 0 else None
         started = time.perf_counter()
         batches = self.data.training_batches(**self._data_rank(), position=self.data_position)
         timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
@@ -303,9 +345,9 @@ class Trainer:
         return self.history
 
     def _record(self, entry: dict[str, Any]) -> None:
-        """A logged step's figures (training, evaluation or both): to the metrics file, on rank 0."""
-        if self._metrics is not None:
-            self._metrics.write(entry)
+        """A logged step's figures (training, evaluation or both): to the trackers (`metrics.jsonl`, ...), on rank 0."""
+        if self._trackers is not None:
+            self._trackers.log(entry["step"], entry)
 
     def _shows_progress(self) -> bool:
         """A progress bar on rank 0 when the log is the terminal's (the bar itself needs stderr to be one)."""
