@@ -68,6 +68,8 @@ from blockzoo.layers.config import (
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
 from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
+from blockzoo.training.tracking import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_figures
+from blockzoo.training.tracking_config import TrackerConfig
 
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
@@ -159,6 +161,13 @@ __all__ = [
     "Weight",
     "WeightMapping",
     "transformers_activation",
+    # Trackers (blockzoo.training.tracking)
+    "RunStatus",
+    "Tracker",
+    "TrackerConfig",
+    "TrackerRun",
+    "TrackerRunFile",
+    "scalar_figures",
     *_LAZY,
 ]
 
