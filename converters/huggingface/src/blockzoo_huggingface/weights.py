@@ -208,6 +208,7 @@ def save(
 
     shapes = {name: tuple(parameter.meta.global_shape) for name, parameter in parameters.items()}
     options = _export_options(dtype, transformers_version, max_shard_size, durable)
+    options["tokenizer"] = _tokenizer_files(getattr(model, "run_config", None), model.origin)
     write(fmt, directory, model.config, shapes, read, writes=distributed.rank == 0, origin=model.origin, **options)
     return directory
 
@@ -231,8 +232,21 @@ def export_checkpoint(
         if found != expected:
             raise ConversionError(f"{source / MODEL_FILE}: {_difference(found, expected)}")
         options = _export_options(dtype, transformers_version, max_shard_size, durable)
-        write(fmt, destination, model, expected, reader.read, writes=True, origin=read_origin(source), **options)
+        origin = read_origin(source)
+        options["tokenizer"] = _tokenizer_files(structure(data, RunConfig, source=str(source / "config.yaml")), origin)
+        write(fmt, destination, model, expected, reader.read, writes=True, origin=origin, **options)
     return destination
+
+
+def _tokenizer_files(run_config: RunConfig | None, origin: Origin | None) -> dict[str, str]:
+    """The tokenizer files to write beside the weights of a model that came with no tokenizer of its own: its
+    training data's tokenizer, as Hugging Face files (none when the data has no tokenizer or cannot be read here)."""
+    if run_config is None or (origin is not None and "tokenizer.json" in origin.files):
+        return {}
+    from blockzoo.data.tokenizer import training_data_tokenizer
+
+    tokenizer = training_data_tokenizer(run_config)
+    return {} if tokenizer is None else tokenizer.hugging_face_files()
 
 
 def _export_options(
@@ -260,10 +274,12 @@ def write(
     durable: bool,
     writes: bool,
     origin: Origin | None,
+    tokenizer: Mapping[str, str] | None = None,
 ) -> None:
     """config.json, then the shards in mapping order, each mapping's tensors in one shard. `read(name)`: a
     parameter's global tensor; `writes`: this process writes (the others only take part in `read`); `origin`: the
     files of the checkpoint the model was imported from, written back (config.json's keys that no field holds);
+    `tokenizer`: files (name -> text) of the tokenizer to write when the origin has none;
     `durable`: each shard is fsynced before the directory is renamed into place (else left in the page cache, as
     transformers' `save_pretrained` leaves its files)."""
     # Everything that can refuse is checked first, on every rank, before any rank gathers a tensor.
@@ -304,6 +320,8 @@ def write(
             files.write_json(directory / CONFIG_JSON, config)
             for path in companions:
                 shutil.copyfile(path, directory / path.name)
+            for name, text in (tokenizer or {}).items():
+                (directory / name).write_text(text, encoding="utf-8")
 
 
 def _export_shapes(mapping: WeightMapping, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

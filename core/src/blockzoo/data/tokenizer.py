@@ -7,6 +7,7 @@ The byte tokenizer maps text to its UTF-8 bytes (ids 0-255) and has one special 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from blockzoo.data.errors import DatasetError
 
 BYTE = "byte"
 HUGGING_FACE = "huggingface"
+EOD_TEXT = "<|endoftext|>"  # the byte tokenizer's end of a document, as text
 
 
 class Tokenizer:
@@ -38,6 +40,12 @@ class Tokenizer:
         """What a dataset's metadata records to load this tokenizer again."""
         raise NotImplementedError
 
+    def hugging_face_files(self) -> dict[str, str]:
+        """The files (name -> text) of an equivalent Hugging Face tokenizer, which `tokenizers` and transformers'
+        `AutoTokenizer` load and which encode text to the same ids: what an export to a Hugging Face format writes
+        beside the weights when the model came with no tokenizer of its own."""
+        raise NotImplementedError
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         if bad := [i for i in ids if not 0 <= i < self.vocab_size]:
             raise ValueError(f"token ids {bad[:5]} are outside this tokenizer's vocabulary [0, {self.vocab_size})")
@@ -58,6 +66,28 @@ class ByteTokenizer(Tokenizer):
 
     def to_metadata(self) -> dict[str, Any]:
         return {"type": BYTE}
+
+    def hugging_face_files(self) -> dict[str, str]:
+        """A byte-level BPE without merges: each byte one token of id its value, as GPT-2's byte-level pre-tokenizer
+        writes bytes as characters (`_byte_characters`), and `<|endoftext|>` the special token 256. One difference:
+        that token's text inside a document is the special token there, where this tokenizer reads its 13 bytes."""
+        vocabulary = {character: byte for byte, character in enumerate(_byte_characters())}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        end = {"content": EOD_TEXT, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+        tokenizer = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [{"id": self.eod_token_id, **end, "special": True}],
+            "normalizer": None,
+            "pre_tokenizer": byte_level,
+            "post_processor": None,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False, "vocab": vocabulary,
+                      "merges": []},
+        }  # fmt: skip
+        files = {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False)}
+        return files | _end_of_document(EOD_TEXT, self.eod_token_id)
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -99,6 +129,31 @@ class HuggingFaceTokenizer(Tokenizer):
     def to_metadata(self) -> dict[str, Any]:
         return {"type": HUGGING_FACE, "eod_token": self.eod_token}
 
+    def hugging_face_files(self) -> dict[str, str]:
+        text = self.path.read_text(encoding="utf-8")
+        return {"tokenizer.json": text, **_end_of_document(self.eod_token, self.eod_token_id)}
+
+
+def _end_of_document(token: str | None, token_id: int | None) -> dict[str, str]:
+    """transformers' `tokenizer_config.json` (the tokenizer.json as it is, with no model's class adding its own
+    special tokens) and `generation_config.json`: the end-of-document token ends a sequence and a generation."""
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if token is None:
+        return {"tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    generation = {"eos_token_id": token_id}
+    return {
+        "tokenizer_config.json": json.dumps(config | {"eos_token": token}, indent=2) + "\n",
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+    }
+
+
+def _byte_characters() -> list[str]:
+    """The character GPT-2's byte-level pre-tokenizer writes for each byte: printable Latin-1 bytes stand for
+    themselves, the others (controls, space, soft hyphen...) for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(256)]
+
 
 def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokenizer:
     """`"byte"`, or the path of a Hugging Face `tokenizer.json` (or of a directory holding one)."""
@@ -123,3 +178,16 @@ def origin_tokenizer(origin: Origin | None) -> tuple[Tokenizer, list[int]] | Non
         if stop is None and name in origin.files:
             stop = read_json(origin.directory / name).get("eos_token_id")
     return tokenizer, [stop] if isinstance(stop, int) else list(stop or [])
+
+
+def training_data_tokenizer(run_config: Any) -> Tokenizer | None:
+    """The tokenizer of a run's training data (`run_config.data`), None when its data has none (random tokens) or
+    cannot be read here (a prepared dataset's files elsewhere). Builds the dataset: imports torch."""
+    from blockzoo.data.dataset import build_dataset
+
+    data, model = run_config.data, run_config.model
+    try:
+        dataset = build_dataset(data, seed=run_config.distributed.seed, model_vocab_size=model.embeddings.vocab_size)
+    except DatasetError:
+        return None
+    return dataset.tokenizer
