@@ -79,10 +79,11 @@ def demo(session: nox.Session) -> None:
     `-- mla`: Mamba 2 + multi-head latent attention with MoE)."""
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
-    output = Path(session.create_tmp()) / example
-    session.run("rm", "-rf", str(output), external=True)
+    output = f"runs/{example}"  # the example's own output_dir, where the README's next commands look
+    session.run("rm", "-rf", output, external=True)  # the demo trains anew
     session.run("blockzoo", "train", f"examples/{example}.yaml", f"training.output_dir={output}")
-    session.run("blockzoo", "generate", str(output), "--prompt", "Once upon a time", "--max-new-tokens", "300")
+    session.run("blockzoo", "generate", output, "--prompt", "Once upon a time", "--max-new-tokens", "300")
+    session.log(f"the run is in {output}: `blockzoo generate {output} --prompt ...`, `blockzoo plot {output}`")
 
 
 @nox.session

@@ -182,6 +182,6 @@ def test_cuda_graphs_off_a_gpu_is_a_usage_error(tmp_path, capsys):
     code = main(["train", str(config)])
     captured = capsys.readouterr()
     assert code == 2
-    assert "training.cuda_graphs needs a CUDA device" in captured.err
+    assert "cuda_graphs needs a CUDA device, and this run's is cpu: this config is made for a GPU" in captured.err
     assert "Traceback" not in captured.err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step_*"))

@@ -159,7 +159,10 @@ class StepGraph:
 def check_cuda_graphs_possible(device: torch.device, world_size: int) -> str | None:
     """Why `training.cuda_graphs` cannot run here, or None."""
     if device.type != "cuda":
-        return f"training.cuda_graphs needs a CUDA device; this run's is {device.type} (set training.cuda_graphs=false)"
+        return (
+            f"training.cuda_graphs needs a CUDA device, and this run's is {device.type}: this config is made for a GPU "
+            "(training.cuda_graphs=false runs it here, as slowly as a GPU-sized model trains on a CPU)"
+        )
     if world_size > 1:
         return (
             f"training.cuda_graphs runs in one process; this run has {world_size} (its collectives are not "
