@@ -72,16 +72,18 @@ def test_text_paragraph_and_jsonl_documents_read_back_as_their_bytes(tmp_path, c
     run_prepare(str(tmp_path / "docs.jsonl"), "--format", "jsonl", "-o", str(prefix))
     assert stored_documents(prefix) == [byte_ids("a jsonl document"), byte_ids("another\nwith a newline")]
     metadata = json.loads((tmp_path / "out" / "tokens.json").read_text())
+    num_tokens = len(byte_ids("a jsonl document")) + len(byte_ids("another\nwith a newline"))
     assert metadata == {
         "format": "blockzoo-tokens",
-        "version": 1,
+        "version": 2,
         "dtype": "uint16",
         "vocab_size": 257,
         "eod_token_id": 256,
         "num_documents": 2,
-        "num_tokens": len(byte_ids("a jsonl document")) + len(byte_ids("another\nwith a newline")),
+        "num_tokens": num_tokens,
         "tokenizer": {"type": "byte"},
         "sources": [str(tmp_path / "docs.jsonl")],
+        "shards": [{"name": "tokens", "num_documents": 2, "num_tokens": num_tokens}],
     }
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["tokens.bin", "tokens.idx", "tokens.json"]
 
@@ -152,12 +154,10 @@ def test_bad_inputs_are_named(tmp_path):
     (tmp_path / "ok.txt").write_text("text")
     out, ok = str(tmp_path / "t"), str(tmp_path / "ok.txt")
     cases = [
-        ([str(tmp_path / "missing.txt"), "-o", out], r"input file .*missing\.txt does not exist"),
-        ([str(tmp_path), "-o", out], r"input file .* is not a file"),
+        ([str(tmp_path / "missing.txt"), "-o", out], r"input .*missing\.txt does not exist"),
         ([str(tmp_path / "empty.txt"), "-o", out], r"the corpus is empty: .*empty\.txt hold no document"),
         ([str(tmp_path / "latin1.txt"), "-o", out], r"latin1\.txt is not UTF-8 text"),
         ([ok, "-o", str(tmp_path)], "is a directory; give a path prefix"),
-        ([ok, "-o", out, "--field", "body"], "--field applies to --format jsonl only"),
         ([ok, "-o", out, "--eod-token", "</s>"], "byte tokenizer's end-of-document token is fixed"),
         ([ok, "-o", out, "--tokenizer", str(tmp_path / "nope.json")], r"nope\.json does not exist"),
     ]
@@ -208,10 +208,15 @@ def test_damaged_datasets_are_refused_with_the_reason(prepared):
         (lambda: files.metadata.write_text("[]"), "is not a JSON object"),
         (lambda: edit_metadata(files, format="other"), "is not the metadata of a blockzoo dataset"),
         (lambda: edit_metadata(files, num_tokens="23"), "has no valid 'num_tokens'"),
-        (lambda: edit_metadata(files, version=2), "format version 2; this blockzoo reads up to 1"),
+        (lambda: edit_metadata(files, version=3), "format version 3; this blockzoo reads up to 2"),
         (lambda: edit_metadata(files, dtype="int8"), "unknown token dtype 'int8'"),
-        (lambda: edit_metadata(files, num_documents=0), "holds no documents"),
-        (lambda: edit_metadata(files, num_tokens=22), "is longer than its metadata says"),
+        (lambda: edit_metadata(files, num_documents=0), "the shards' num_documents do not add up"),
+        (lambda: edit_metadata(files, num_documents=0, shards=[]), "no valid 'shards' list"),
+        (lambda: edit_metadata(files, shards=[{"name": "../t", "num_documents": 3, "num_tokens": 23}]), "shard 0 is not"),
+        (
+            lambda: edit_metadata(files, num_tokens=22, shards=[{"name": "t", "num_documents": 3, "num_tokens": 22}]),
+            "is longer than its metadata says",
+        ),
     ]
     for damage, message in damages:
         damage()

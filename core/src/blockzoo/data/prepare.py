@@ -1,28 +1,44 @@
-"""`blockzoo prepare`: tokenize text or JSONL files into a dataset the `memmap` type reads. Torch-free.
+"""`blockzoo prepare`: tokenize a corpus into a dataset the `memmap` type reads. Torch-free.
 
-What a document is, per input format:
-- `text`: each file is one document;
-- `paragraphs`: documents are separated by one or more blank lines (lines of only whitespace); a file's end
-  also ends a document;
-- `jsonl`: each non-blank line is a JSON object whose `field` (default `text`) holds one document.
-Files are read as UTF-8. Documents with no text (empty or only whitespace) are skipped. The tokenizer's
-end-of-document token, when it has one (the byte tokenizer always does), is appended to every document.
+The inputs (`inputs`: files, directories, globs of every format there) are cut into work units (`inputs.plan_units`:
+they depend on the inputs alone); each unit is tokenized into one shard (`storage`) by one of `workers` processes,
+which read their documents in batches (`readers`), so memory stays flat whatever the corpus size. Shards are
+numbered by unit, so one worker and many write the same files. The tokenizer's end-of-document token, when it has
+one (the byte tokenizer always does), is appended to every document.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-from collections.abc import Iterable, Iterator, Sequence
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from blockzoo.data.errors import DatasetError
-from blockzoo.data.storage import DatasetWriter
-from blockzoo.data.tokenizer import load_tokenizer
+import attrs
 
-FORMATS = ("text", "paragraphs", "jsonl")
-_ENCODE_BATCH = 256
+from blockzoo.data.errors import DatasetError
+from blockzoo.data.inputs import InputFile, WorkUnit, plan_units, resolve_inputs
+from blockzoo.data.readers import read_piece
+from blockzoo.data.storage import (
+    DatasetFiles,
+    ShardFiles,
+    ShardWriter,
+    begin_dataset,
+    finish_dataset,
+    temporary,
+    token_dtype,
+)
+from blockzoo.data.tokenizer import Tokenizer, load_tokenizer
+
+_REPORT_SECONDS = 0.2  # how often a worker reports its progress
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def prepare(
@@ -30,91 +46,140 @@ def prepare(
     output: str | Path,
     *,
     tokenizer: str | Path = "byte",
-    format: str = "text",
+    format: str = "auto",
     field: str = "text",
     eod_token: str | None = None,
+    workers: int | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize the documents of `inputs` into the dataset with path prefix `output`; returns its metadata."""
-    if format not in FORMATS:
-        raise DatasetError(f"unknown input format {format!r} (known: {', '.join(FORMATS)})")
-    paths = [Path(path) for path in inputs]
-    if not paths:
-        raise DatasetError("no input files given")
-    for path in paths:
-        if not path.is_file():
-            raise DatasetError(f"input file {path} {'is not a file' if path.exists() else 'does not exist'}")
+    """Tokenize the documents of `inputs` into the dataset with path prefix `output`; returns its metadata.
+    `progress`: show a bar on stderr when it is a terminal."""
+    files = resolve_inputs(inputs, format)
     if Path(output).is_dir():
         raise DatasetError(f"the output {output} is a directory; give a path prefix such as {Path(output) / 'tokens'}")
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise DatasetError(f"--workers must be at least 1, got {workers}")
     encoder = load_tokenizer(tokenizer, eod_token=eod_token)
-    documents = (document for path in paths for document in read_documents(path, format, field))
-    with DatasetWriter(output, encoder, sources=[str(path) for path in paths]) as writer:
-        for chunk in _chunks(documents, _ENCODE_BATCH):
-            for ids in encoder.encode_batch(chunk):
-                if encoder.eod_token_id is not None:
-                    ids.append(encoder.eod_token_id)
-                if ids:
-                    writer.add(ids)
-        if writer.num_documents == 0:
-            raise DatasetError(f"the corpus is empty: {', '.join(map(str, paths))} hold no document with text")
-    return {
-        "prefix": str(output),
-        "dtype": writer.dtype,
-        "vocab_size": encoder.vocab_size,
-        "num_documents": writer.num_documents,
-        "num_tokens": writer.num_tokens,
-    }
-
-
-def read_documents(path: Path, format: str, field: str = "text") -> Iterator[str]:
-    """The documents of one input file with text in them (see the module's doc for what a document is)."""
+    units = plan_units(files)
+    dataset = DatasetFiles(Path(output))
+    jobs = [
+        _Job(unit, dataset.shard(dataset.shard_name(unit.number, len(units))).stem, str(tokenizer), eod_token, field,
+             token_dtype(encoder.vocab_size))
+        for unit in units
+    ]  # fmt: skip
+    begin_dataset(dataset)
     try:
-        with open(path, encoding="utf-8") as file:
-            if format == "text":
-                documents: Iterable[str] = [file.read()]
-            elif format == "paragraphs":
-                documents = _paragraphs(file)
+        from blockzoo.data.progress import PrepareProgress
+
+        with PrepareProgress(total_bytes=sum(unit.size for unit in units), enabled=progress) as bar:
+            if min(workers, len(jobs)) == 1:
+                summaries = [_tokenize(job, encoder, bar.advance) for job in jobs]
             else:
-                documents = _jsonl_documents(file, path, field)
-            yield from (document for document in documents if document.strip())
-    except UnicodeDecodeError as error:
-        raise DatasetError(f"{path} is not UTF-8 text ({error.reason})") from None
-    except OSError as error:
-        raise DatasetError(f"cannot read {path}: {error.strerror or error}") from None
+                summaries = _in_processes(jobs, min(workers, len(jobs)), bar.advance)
+        shards = [summary for summary in summaries if summary["num_documents"] > 0]
+        if not shards:
+            names = ", ".join(str(file.path) for file in files)
+            raise DatasetError(f"the corpus is empty: {names} hold no document with text")
+        return finish_dataset(dataset, encoder, shards, _sources(files))
+    except BaseException:
+        for job in jobs:
+            shard = ShardFiles(job.stem)
+            temporary(shard.tokens).unlink(missing_ok=True)
+            temporary(shard.index).unlink(missing_ok=True)
+        raise
 
 
-def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
-    paragraph: list[str] = []
-    for line in lines:
-        if line.strip():
-            paragraph.append(line)
-        elif paragraph:
-            yield "".join(paragraph).rstrip("\n")
-            paragraph = []
-    if paragraph:
-        yield "".join(paragraph).rstrip("\n")
+def _sources(files: Sequence[InputFile]) -> list[str]:
+    return [str(file.path) for file in files]
 
 
-def _jsonl_documents(lines: Iterable[str], path: Path, field: str) -> Iterator[str]:
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DatasetError(f"{path} line {number}: not valid JSON: {error.msg} (column {error.colno})") from None
-        if not isinstance(record, dict):
-            raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
-        if field not in record:
-            fields = ", ".join(map(repr, record)) or "none"
-            raise DatasetError(f"{path} line {number}: no field {field!r} (its fields: {fields}); choose with --field")
-        if not isinstance(record[field], str):
-            raise DatasetError(
-                f"{path} line {number}: field {field!r} holds {type(record[field]).__name__}, expected a string"
-            )
-        yield record[field]
+@attrs.frozen
+class _Job:
+    """What a worker needs to tokenize one unit into one shard (sent to worker processes: plain values)."""
+
+    unit: WorkUnit
+    stem: Path
+    tokenizer: str
+    eod_token: str | None
+    field: str
+    dtype: str
 
 
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    iterator = iter(items)
-    while chunk := list(itertools.islice(iterator, size)):
-        yield chunk
+def _tokenize(job: _Job, encoder: Tokenizer, report: Callable[[int, int, int], None]) -> dict[str, Any]:
+    """Tokenize a unit's documents into its shard (left under temporary names); `report(documents, tokens,
+    input bytes)` is called with what was done since its last call, at most every _REPORT_SECONDS and at the end."""
+    writer = ShardWriter(ShardFiles(job.stem), job.dtype)
+    eod = encoder.eod_token_id
+    done = [0, 0, 0]
+    last_report = time.monotonic()
+    try:
+        for piece in job.unit.pieces:
+            for texts, read in read_piece(piece, job.field):
+                tokens = writer.num_tokens
+                for ids in encoder.encode_batch(texts) if texts else ():
+                    if eod is not None:
+                        ids.append(eod)
+                    if ids:
+                        writer.add(ids)
+                done[0] += len(texts)
+                done[1] += writer.num_tokens - tokens
+                done[2] += read
+                if time.monotonic() - last_report >= _REPORT_SECONDS:
+                    report(*done)
+                    done, last_report = [0, 0, 0], time.monotonic()
+        writer.close()
+    except BaseException:
+        writer.discard()
+        raise
+    report(*done)
+    if writer.num_documents == 0:
+        writer.discard()
+    return writer.summary()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker processes
+
+
+def _in_processes(jobs: list[_Job], workers: int, report: Callable[[int, int, int], None]) -> list[dict[str, Any]]:
+    """Run the jobs on `workers` fresh processes (spawned: nothing of this process's threads or pyarrow pools is
+    inherited); their progress comes through a queue. Returns the shard summaries in unit order."""
+    context = multiprocessing.get_context("spawn")
+    progress = context.Queue()
+    with context.Pool(workers, initializer=_start_worker, initargs=(progress,)) as pool:
+        results = [pool.apply_async(_run_job, (job,)) for job in jobs]
+        while not all(result.ready() for result in results):
+            _drain(progress, report, timeout=0.1)
+            for result in results:
+                if result.ready() and not result.successful():
+                    result.get()  # raises the worker's error; leaving the `with` terminates the others
+        _drain(progress, report, timeout=0)
+        return [result.get() for result in results]
+
+
+def _drain(progress: Any, report: Callable[[int, int, int], None], timeout: float) -> None:
+    try:
+        report(*progress.get(timeout=timeout) if timeout else progress.get_nowait())
+        while True:
+            report(*progress.get_nowait())
+    except queue.Empty:
+        pass
+
+
+_worker_progress: Any = None
+_worker_tokenizers: dict[tuple[str, str | None], Tokenizer] = {}
+
+
+def _start_worker(progress: Any) -> None:
+    global _worker_progress
+    _worker_progress = progress
+    # One tokenizing thread per worker: the workers are the parallelism (`tokenizers` would start one per CPU).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _run_job(job: _Job) -> dict[str, Any]:
+    key = (job.tokenizer, job.eod_token)
+    if key not in _worker_tokenizers:
+        _worker_tokenizers[key] = load_tokenizer(job.tokenizer, eod_token=job.eod_token)
+    return _tokenize(job, _worker_tokenizers[key], lambda *done: _worker_progress.put(done))
