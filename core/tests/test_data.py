@@ -20,7 +20,7 @@ from blockzoo.plugins import get_registry
 
 @pytest.fixture(autouse=True)
 def dataset_types():
-    assert get_registry().available("dataset") == ["embedded", "memmap", "random"]
+    assert get_registry().available("dataset") == ["blended", "embedded", "memmap", "random"]
 
 
 def make_documents(count: int, seed: int = 0, max_length: int = 30) -> list[list[int]]:
@@ -277,7 +277,7 @@ def test_configs_structure_from_yaml_data_with_memmap_the_default_type():
     [
         ({"sequence_length": 0}, "sequence_length", "must be >= 1"),
         ({"micro_batch_size": 0}, "micro_batch_size", "must be >= 1"),
-        ({"validation_fraction": 1.0}, "validation_fraction", r"must be in \[0, 1\)"),
+        ({"validation_fraction": 1.5}, "validation_fraction", r"must be in \[0, 1\]"),
         ({"type": "embedded", "num_documents": 1}, "num_documents", "must be >= 2"),
         ({"type": "random", "min_document_length": 4, "max_document_length": 3}, "max_document_length", ">= min"),
         ({"type": "random", "vocab_size": 0}, "vocab_size", "must be >= 1"),

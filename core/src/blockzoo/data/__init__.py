@@ -10,7 +10,13 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from blockzoo.data.config import DatasetConfig, EmbeddedDatasetConfig, MemmapDatasetConfig, RandomDatasetConfig
+from blockzoo.data.config import (
+    BlendedDatasetConfig,
+    DatasetConfig,
+    EmbeddedDatasetConfig,
+    MemmapDatasetConfig,
+    RandomDatasetConfig,
+)
 
 # name -> module that defines it; imported on first access (these need torch, or read files).
 _LAZY = {
@@ -22,7 +28,15 @@ _LAZY = {
     "load_tokenizer": "blockzoo.data.tokenizer",
 }
 
-__all__ = ["DatasetConfig", "EmbeddedDatasetConfig", "MemmapDatasetConfig", "RandomDatasetConfig", "register", *_LAZY]
+__all__ = [
+    "BlendedDatasetConfig",
+    "DatasetConfig",
+    "EmbeddedDatasetConfig",
+    "MemmapDatasetConfig",
+    "RandomDatasetConfig",
+    "register",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -36,3 +50,4 @@ def register(register: Callable) -> None:
     register("memmap", MemmapDatasetConfig, "blockzoo.data.memmap:MemmapDataset")
     register("embedded", EmbeddedDatasetConfig, "blockzoo.data.embedded:EmbeddedDataset")
     register("random", RandomDatasetConfig, "blockzoo.data.synthetic:RandomDataset")
+    register("blended", BlendedDatasetConfig, "blockzoo.data.blended:BlendedDataset")

@@ -74,10 +74,27 @@ class Dataset:
 
     vocab_size: int
     tokenizer: Tokenizer | None = None  # to decode generated tokens; None when the data has no text
+    # Where a dataset says what the run should know (a source read whole, ...); `build_dataset(log=...)` sets it.
+    logger: Callable[[str], None] | None = None
 
     def __init__(self, config: DatasetConfig, *, seed: int):
         self.config = config
         self.seed = seed
+
+    def log(self, message: str) -> None:
+        if self.logger is not None:
+            self.logger(message)
+
+    @property
+    def num_training_samples(self) -> int | None:
+        """Samples in one epoch of the training split (0: the dataset is for evaluation only); None when the
+        training stream is generated without end."""
+        return None
+
+    def source_tokens(self, position: dict[str, Any] | None) -> dict[str, int] | None:
+        """Tokens trained so far from each source of a dataset that mixes several, at a training `position` (as
+        `TrainingBatches.position()`); None for a dataset of one source."""
+        return None
 
     def training_sample(self, index: int) -> Sample:
         raise NotImplementedError
@@ -189,7 +206,9 @@ class StoredDataset(Dataset):
         length = config.sequence_length
         documents = store.num_documents
         held_out = 0 if validation_fraction == 0 else max(1, round(validation_fraction * documents))
-        if held_out >= documents:
+        # A fraction of 1 holds every document out: a dataset for evaluation only (training from it is refused by
+        # `build_dataset`).
+        if held_out >= documents and validation_fraction < 1:
             raise DatasetError(
                 f"{store.source} holds {documents} documents: none is left for training after holding out "
                 f"{held_out} for evaluation (validation_fraction {validation_fraction})"
@@ -198,7 +217,7 @@ class StoredDataset(Dataset):
         self._training_windows = split // length
         self._evaluation_start = split
         self._evaluation_windows = (len(store.tokens) - split) // length
-        if self._training_windows == 0:
+        if self._training_windows == 0 and validation_fraction < 1:
             raise DatasetError(
                 f"the training split of {store.source} holds {split} tokens, fewer than one sequence of {length}; "
                 "lower data.sequence_length or use more data"
@@ -210,7 +229,13 @@ class StoredDataset(Dataset):
     def num_evaluation_samples(self) -> int:
         return self._evaluation_windows
 
+    @property
+    def num_training_samples(self) -> int:
+        return self._training_windows
+
     def training_sample(self, index: int) -> Sample:
+        if self._training_windows == 0:
+            raise DatasetError(f"{self.store.source} holds no training data: every document is held out")
         epoch, within = divmod(index, self._training_windows)
         if epoch != self._permutation_epoch:
             generated = generator(self.seed, "training", epoch)
@@ -243,16 +268,31 @@ class StoredDataset(Dataset):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def build_dataset(config: DatasetConfig, *, seed: int, model_vocab_size: int | None = None) -> Dataset:
+def build_dataset(
+    config: DatasetConfig,
+    *,
+    seed: int,
+    model_vocab_size: int | None = None,
+    log: Callable[[str], None] | None = None,
+    training: bool = True,
+) -> Dataset:
     """The dataset a config describes, through the registry (plugins may add dataset types).
 
     `seed`: the run's seed, used when `config.seed` is None. `model_vocab_size`: the model's vocabulary; a
-    dataset with more token ids is refused (and the `random` type draws from it by default).
+    dataset with more token ids is refused (and the `random` type draws from it by default). `log`: where the
+    dataset reports what the run should know. `training`: a dataset without training samples (every document
+    held out) is refused; False for an evaluation set.
     """
     registry = get_registry()
     implementation = registry.resolve("dataset", registry.name_of(type(config))).load_implementation()
     seed = seed if config.seed is None else config.seed
     dataset = implementation(config, seed=seed, model_vocab_size=model_vocab_size)
+    dataset.logger = log
+    if training and dataset.num_training_samples == 0:
+        raise DatasetError(
+            "the data holds no training samples: validation_fraction 1 holds every document out, which makes a "
+            "dataset for evaluation only (training.evaluation.datasets); lower validation_fraction"
+        )
     if model_vocab_size is not None and dataset.vocab_size > model_vocab_size:
         raise DatasetError(
             f"the data uses {dataset.vocab_size} token ids, more than the model's vocabulary "

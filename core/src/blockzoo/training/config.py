@@ -14,6 +14,7 @@ from blockzoo.config import (
     field,
     greater_than,
 )
+from blockzoo.data.config import DatasetConfig
 from blockzoo.training.tracking_config import TrackerConfig
 
 
@@ -54,7 +55,18 @@ class EvaluationConfig(Config):
     interval: int | None = field(
         None, doc="Evaluate every this many steps (and at the end); None: never.", validator=at_least(1)
     )
-    iters: int = field(10, doc="Micro-batches of the validation split per evaluation.", validator=at_least(1))
+    iters: int = field(
+        10,
+        doc="Micro-batches of each validation set per evaluation (at most: a set may hold fewer).",
+        validator=at_least(1),
+    )
+    datasets: dict[str, DatasetConfig] = field(
+        factory=dict,
+        doc="Named validation sets, each any dataset config (its evaluation split: `validation_fraction` of a "
+        "prepared dataset, 1 for all of it), evaluated at every evaluation as `evaluation_loss/<name>`; "
+        "sequence_length and micro_batch_size not given are the run's `data` settings. The `data` section's own "
+        "held-out split is `evaluation_loss`, when it has one.",
+    )
 
 
 Recompute = Literal["none", "selective", "full"]

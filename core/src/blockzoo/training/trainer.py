@@ -48,7 +48,7 @@ from blockzoo.checkpoint import (
 )
 from blockzoo.config import to_dict
 from blockzoo.conversion import get_format
-from blockzoo.data.dataset import TrainingBatches, build_dataset
+from blockzoo.data.dataset import Dataset, TrainingBatches, build_dataset
 from blockzoo.data.errors import DatasetError
 from blockzoo.distributed import debug
 from blockzoo.distributed.consistency import check_ranks_agree
@@ -198,9 +198,12 @@ class Trainer:
         self.memory = memory_usage(self.model, self.optimizer, run_config.distributed.zero_stage)
         self.log(memory_report(self.memory, self.distributed))
         self.data = build_dataset(
-            run_config.data, seed=run_config.distributed.seed, model_vocab_size=run_config.model.embeddings.vocab_size
+            run_config.data,
+            seed=run_config.distributed.seed,
+            model_vocab_size=run_config.model.embeddings.vocab_size,
+            log=self.log,
         )
-        self._check_evaluation()
+        self._evaluation_sets = self._build_evaluation_sets()
         self.step = 0
         self._flops_by_lengths: dict[tuple[int, ...], int] = {}
         self.data_position: Any = None
@@ -327,6 +330,8 @@ class Trainer:
             if evaluates:
                 tokens = self.step * current.tokens
                 entry = {"step": self.step, "tokens": tokens, **entry, **self._evaluate()}
+            if entry and (source_tokens := self.data.source_tokens(self.data_position)) is not None:
+                entry["source_tokens"] = source_tokens  # a blend's tokens per source, from the position alone
             if entry:
                 self._record(entry)
             self._progress.advance(self.history[-1].loss if logs else None)
@@ -372,18 +377,44 @@ class Trainer:
         else:
             self.log(f"output directory {self.output_dir}: a new run of {train_iters} steps")
 
-    def _check_evaluation(self) -> None:
-        """An evaluation that cannot happen (an empty or too small validation split) is refused before any step."""
-        interval = self.config.evaluation.interval
-        if interval is None:
-            return
-        try:
-            self.data.evaluation_batches(**self._data_rank())
-        except DatasetError as error:
-            raise DatasetError(
-                f"training.evaluation.interval is {interval}, but {error}; or turn evaluation off: "
-                "training.evaluation.interval=null"
-            ) from None
+    def _build_evaluation_sets(self) -> dict[str, Dataset]:
+        """What each evaluation reads, by the name its loss is logged under: `evaluation_loss` (the data's held-out
+        split) and `evaluation_loss/<name>` (`training.evaluation.datasets`). A set that cannot be evaluated (missing,
+        empty, too small for a micro-batch on every data rank) is refused before any step, naming it."""
+        evaluation = self.config.evaluation
+        if evaluation.interval is None:
+            return {}
+        run_data, seed = self.run_config.data, self.run_config.distributed.seed
+        sets: dict[str, Dataset] = {}
+        # The data's own split: when it holds one, or when it is all there is to evaluate (then its error is the one).
+        if not evaluation.datasets or self.data.num_evaluation_samples != 0:
+            sets["evaluation_loss"] = self.data
+        for name, config in evaluation.datasets.items():
+            where = f"training.evaluation.datasets.{name}"
+            given = config.explicit_fields()
+            shape = {key: getattr(run_data, key) for key in ("sequence_length", "micro_batch_size") if key not in given}
+            try:
+                sets[f"evaluation_loss/{name}"] = build_dataset(
+                    attrs.evolve(config, **shape),
+                    seed=seed,
+                    model_vocab_size=self.run_config.model.embeddings.vocab_size,
+                    log=self.log,
+                    training=False,
+                )
+            except DatasetError as error:
+                raise DatasetError(f"{where}: {error}") from None
+        for key, dataset in sets.items():
+            try:
+                dataset.evaluation_batches(**self._data_rank())
+            except DatasetError as error:
+                if dataset is self.data:
+                    raise DatasetError(
+                        f"training.evaluation.interval is {evaluation.interval}, but {error}; or turn evaluation "
+                        "off: training.evaluation.interval=null"
+                    ) from None
+                raise DatasetError(f"training.evaluation.datasets.{key.split('/', 1)[1]}: {error}") from None
+        return sets
+
 
     def _stop_requested(self, signals: _StopSignals) -> bool:
         """Whether any rank received a stop signal (every rank calls it at every step boundary)."""
@@ -589,11 +620,25 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
-        """The evaluation figures of this step, as the metrics file names them."""
+        """The evaluation figures of this step, as the metrics file names them: the loss of each evaluation set
+        (`_build_evaluation_sets`) over its first `training.evaluation.iters` micro-batches (or all it holds)."""
         self.model.eval()
+        losses = [self._evaluation_loss(dataset) for dataset in self._evaluation_sets.values()]
+        figures = dict(zip(self._evaluation_sets, to_host(losses)))
+        for module in [self.model] if self.pipeline is None else self.pipeline.modules:
+            reshard(module)  # the forward passes without a backward left weights gathered
+        self.model.train()
+        if "evaluation_loss" in figures:
+            self.evaluations.append((self.step, figures["evaluation_loss"]))
+        described = ", ".join(f"{name.removeprefix('evaluation_')} {loss:.4f}" for name, loss in figures.items())
+        self.log(f"evaluation at step {self.step}: {described}")
+        return figures
+
+    def _evaluation_loss(self, dataset: Dataset) -> torch.Tensor:
+        """The mean cross-entropy of a set's first micro-batches over every data rank (on the device)."""
         device = self.distributed.device
         total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-        batches = self.data.evaluation_batches(**self._data_rank())
+        batches = dataset.evaluation_batches(**self._data_rank())
         evaluated = itertools.islice(batches, self.config.evaluation.iters)
         placed = [place_micro_batch(micro, self.distributed) for micro in evaluated]
         if self.pipeline is not None:  # through the stages, forward only
@@ -603,13 +648,7 @@ class Trainer:
                 cross_entropy, _ = self.model.loss(micro.tokens, micro.labels, micro.batch)
                 total += cross_entropy.float()
         count = sum((micro.labelled() for micro in placed), count)
-        (loss,) = to_host([self._reduce_loss(total) / self._all_reduce_data(count).clamp(min=1)])
-        for module in [self.model] if self.pipeline is None else self.pipeline.modules:
-            reshard(module)  # the forward passes without a backward left weights gathered
-        self.model.train()
-        self.evaluations.append((self.step, loss))
-        self.log(f"evaluation at step {self.step}: loss {loss:.4f}")
-        return {"evaluation_loss": loss}
+        return self._reduce_loss(total) / self._all_reduce_data(count).clamp(min=1)
 
     def save(self) -> Path:
         """Save `step_<N>` (every rank), then prune to `checkpoint_keep`. A weight (or optimizer state) that is not
