@@ -13,6 +13,10 @@
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
   (`blockzoo.testing.parallel`): cases split between gloo ranks against one process, all in one set of processes.
 - `run_distributed(world_size, fn, *args)` (`blockzoo.testing.distributed`): gloo ranks on the CPU.
+- A tracker plugin's tests (`blockzoo.testing.tracking`): `tiny_run_config(output_dir, *overrides)` (`TINY_RUN`, a
+  run of seconds), `train_tiny(config)`, `train_killed_at(config, step)` (a crash after that step's figures were
+  logged), `straight_and_resumed(root, *overrides)` (a straight run and one killed after a checkpoint then resumed),
+  `logged_figures(output_dir, names)` (its `metrics.jsonl` by step; `DETERMINISTIC` names the figures two runs share).
 
 The names load on first access: importing this package imports no torch (pytest loads `blockzoo.testing.pytest_plugin`
 in every run of an environment where blockzoo is installed).
@@ -46,6 +50,14 @@ _LAZY = {
     "single_process": "blockzoo.testing.layers",
     "check_tensor_parallel": "blockzoo.testing.parallel",
     "check_sequence_data_parallel": "blockzoo.testing.parallel",
+    "DETERMINISTIC": "blockzoo.testing.tracking",
+    "Killed": "blockzoo.testing.tracking",
+    "TINY_RUN": "blockzoo.testing.tracking",
+    "logged_figures": "blockzoo.testing.tracking",
+    "straight_and_resumed": "blockzoo.testing.tracking",
+    "tiny_run_config": "blockzoo.testing.tracking",
+    "train_killed_at": "blockzoo.testing.tracking",
+    "train_tiny": "blockzoo.testing.tracking",
 }
 
 __all__ = list(_LAZY)

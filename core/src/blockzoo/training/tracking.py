@@ -94,11 +94,17 @@ def scalar_figures(entry: Mapping[str, Any], prefix: str = "") -> dict[str, floa
 class TrackerRunFile:
     """A tracker's own record in the run's directory (a small JSON file), for trackers whose run lives elsewhere (a
     server, a database): the id of that run, so a resumed run continues it, and the last step sent to it, so the
-    resumed run does not send again the steps an earlier process had already sent. Written atomically."""
+    resumed run does not send again the steps an earlier process had already sent (such trackers cannot take back a
+    figure; the resumed run's figures of those steps are not sent). Written atomically."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    @classmethod
+    def of(cls, run: TrackerRun) -> TrackerRunFile:
+        """The record of the tracker `run.name` of this run: `<output_dir>/trackers/<name>.json`."""
+        return cls(run.output_dir / "trackers" / f"{run.name}.json")
 
     @property
     def run_id(self) -> str | None:
