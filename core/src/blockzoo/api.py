@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from blockzoo.benchmarks.base import Benchmark, BenchmarkConfig, BenchmarkResult
 from blockzoo.config import (
     Config,
     ConfigError,
@@ -41,6 +42,7 @@ from blockzoo.conversion import (
     WeightMapping,
     transformers_activation,
 )
+from blockzoo.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
 from blockzoo.layers.config import (
@@ -161,6 +163,13 @@ __all__ = [
     "Weight",
     "WeightMapping",
     "transformers_activation",
+    # Benchmark backends (blockzoo.benchmarks.base) and the tokenizers they are given (blockzoo.data.tokenizer)
+    "Benchmark",
+    "BenchmarkConfig",
+    "BenchmarkResult",
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "Tokenizer",
     # Trackers (blockzoo.training.tracking)
     "RunStatus",
     "Tracker",

@@ -12,7 +12,6 @@ import sys
 import traceback
 import typing
 from collections.abc import Sequence
-from pathlib import Path
 
 from blockzoo.config import ConfigError, structure
 from blockzoo.errors import UsageError
@@ -85,6 +84,30 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K likeliest tokens")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.set_defaults(run=_generate)
+
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="score a checkpoint on benchmark tasks (lm-evaluation-harness: blockzoo-lm-eval), in one process or "
+        "every rank under torchrun",
+    )
+    evaluate.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint, or a run's output_dir")
+    evaluate.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="the layout under torchrun, as `blockzoo train` takes it: distributed.tensor_parallel=2, "
+        "distributed.compute_dtype=bf16, ...",
+    )
+    evaluate.add_argument("--tasks", required=True, help="task names, comma-separated")
+    evaluate.add_argument("--limit", type=float, metavar="N", help="documents per task (below 1: a fraction)")
+    evaluate.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's)")
+    evaluate.add_argument("--batch-size", type=int, metavar="B", help="requests per forward pass (default: 16)")
+    evaluate.add_argument(
+        "--include-path", action="append", default=[], metavar="DIR", help="a directory of task YAML files (repeat)"
+    )
+    evaluate.add_argument("--output", default="evaluation.json", help="the results JSON (default: evaluation.json)")
+    evaluate.add_argument("--benchmark", default="lm_eval", help="the benchmark type (default: lm_eval)")
+    evaluate.set_defaults(run=_evaluate)
 
     convert = commands.add_parser(
         "convert", help="convert a checkpoint between blockzoo and another format (e.g. Hugging Face), streaming"
@@ -173,37 +196,15 @@ def _train(arguments: argparse.Namespace) -> int:
 def _generate(arguments: argparse.Namespace) -> int:
     import torch
 
-    from blockzoo.data.dataset import build_dataset
-    from blockzoo.data.errors import DatasetError
-    from blockzoo.data.tokenizer import origin_tokenizer
     from blockzoo.model.factory import load
+    from blockzoo.model.tokenizer import model_tokenizer
 
     if arguments.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {arguments.max_new_tokens}")
     if arguments.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {arguments.temperature}")
     model = load(arguments.checkpoint)
-    run_config = model.run_config
-    # The tokenizer a model imported from Hugging Face came with, else its training data's.
-    if (found := origin_tokenizer(model.origin)) is not None:
-        tokenizer, stop_tokens = found
-    elif model.origin is not None and model.origin.directory == Path(arguments.checkpoint):
-        raise UsageError(f"{arguments.checkpoint} has no tokenizer.json to encode the prompt with")
-    else:
-        vocab_size = run_config.model.embeddings.vocab_size  # (random data takes the model's)
-        data_type = get_registry().name_of(type(run_config.data))
-        try:  # the training data is read for its tokenizer only
-            tokenizer = build_dataset(
-                run_config.data, seed=run_config.distributed.seed, model_vocab_size=vocab_size
-            ).tokenizer
-        except DatasetError as error:
-            raise UsageError(
-                f"{arguments.checkpoint} carries no tokenizer.json, and its training data ({data_type} type) cannot "
-                f"give one: {error}"
-            ) from None
-        if tokenizer is None:
-            raise UsageError(f"the checkpoint's data ({data_type} type) has no tokenizer to encode a prompt")
-        stop_tokens = getattr(tokenizer, "eod_token_id", None)
+    tokenizer, stop_tokens = model_tokenizer(model, checkpoint=arguments.checkpoint, purpose="encode the prompt")
     prompts = [tokenizer.encode(prompt) for prompt in arguments.prompt]
     generator = torch.Generator().manual_seed(arguments.seed)
     outputs = model.generate(
@@ -216,6 +217,45 @@ def _generate(arguments: argparse.Namespace) -> int:
     )
     for prompt, output in zip(arguments.prompt, outputs):
         print(prompt + tokenizer.decode(output))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# blockzoo evaluate
+
+
+def _evaluate(arguments: argparse.Namespace) -> int:
+    from blockzoo.benchmarks.base import BenchmarkConfig
+    from blockzoo.config import parse_overrides
+    from blockzoo.distributed.config import DistributedConfig
+
+    options = {"type": arguments.benchmark, "tasks": [task.strip() for task in arguments.tasks.split(",")]}
+    given = {
+        "limit": arguments.limit,
+        "num_fewshot": arguments.num_fewshot,
+        "batch_size": arguments.batch_size,
+        "task_paths": arguments.include_path or None,
+    }
+    options |= {key: value for key, value in given.items() if value is not None}
+    config = structure(options, BenchmarkConfig, source="blockzoo evaluate's options")
+    overrides = parse_overrides(arguments.overrides)
+    if other := sorted(set(overrides) - {"distributed"}):
+        raise UsageError(f"blockzoo evaluate takes distributed.* overrides only, got {', '.join(other)}")
+    layout = structure(overrides.get("distributed", {}), DistributedConfig, source="command line", root="distributed")
+    from blockzoo.benchmarks.run import build_benchmark, check_layout, evaluate_model, results_table, write_report
+    from blockzoo.distributed.runtime import Distributed
+    from blockzoo.model.factory import load
+    from blockzoo.model.tokenizer import model_tokenizer
+
+    check_layout(layout, "blockzoo evaluate")
+    with Distributed(layout) as distributed:
+        benchmark = build_benchmark(config)  # unknown tasks are refused before the model is read
+        model = load(arguments.checkpoint, distributed=distributed)
+        tokenizer, stop = model_tokenizer(model, checkpoint=arguments.checkpoint, purpose="run benchmarks")
+        result = evaluate_model(benchmark, model, tokenizer, distributed, stop_tokens=stop)
+        if distributed.rank == 0:
+            print(results_table(result.metrics))
+            print(f"wrote {write_report(arguments.output, result)}")
     return 0
 
 

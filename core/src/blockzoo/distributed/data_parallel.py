@@ -31,7 +31,8 @@ describing, as before, the rank's tensor-parallel tensor, whose rows `shard_rows
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -102,6 +103,26 @@ def reshard(module: nn.Module) -> None:
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
+
+
+@contextlib.contextmanager
+def gathered_for_inference(module: nn.Module, distributed: Distributed) -> Iterator[None]:
+    """Within: every FSDP unit of `module` holds its whole weights, gathered once on entry (every data rank enters
+    together) and kept through any number of forward passes, which then communicate nothing over the data ranks: the
+    ranks may run different numbers of them (benchmark requests, generation that stops early), and methods FSDP does
+    not hook (`forward_packed`, `generate`) see plain tensors. On exit the shards are put back. Nothing without
+    FSDP."""
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            # As `shard_data_parallel` set it: the blocks reshard after their forward under ZeRO 3, the root never.
+            unit.set_reshard_after_forward(distributed.config.zero_stage == 3 and unit is not module, recurse=False)
 
 
 def _split_by_expert_parallelism(parameter: nn.Parameter) -> bool:

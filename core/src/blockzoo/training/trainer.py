@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from blockzoo.benchmarks.run import HarnessRunner
 from blockzoo.checkpoint import (
     METADATA_FILE,
     ORIGIN_DIRECTORY,
@@ -68,6 +69,7 @@ from blockzoo.model.factory import (
     with_pretrained_config,
 )
 from blockzoo.model.language_model import LanguageModel
+from blockzoo.model.tokenizer import model_tokenizer
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.training.graphs import StepGraph, check_cuda_graphs_possible
@@ -204,6 +206,7 @@ class Trainer:
             log=self.log,
         )
         self._evaluation_sets = self._build_evaluation_sets()
+        self.harness = self._harness_runner()
         self.step = 0
         self._flops_by_lengths: dict[tuple[int, ...], int] = {}
         self.data_position: Any = None
@@ -330,6 +333,9 @@ class Trainer:
             if evaluates:
                 tokens = self.step * current.tokens
                 entry = {"step": self.step, "tokens": tokens, **entry, **self._evaluate()}
+            if self.harness is not None and self.harness.due(self.step, last):
+                benchmark = self.harness.run(self.model, step=self.step, output_dir=self.output_dir, log=self.log)
+                entry = {"step": self.step, "tokens": self.step * current.tokens, **entry, **benchmark}
             if entry and (source_tokens := self.data.source_tokens(self.data_position)) is not None:
                 entry["source_tokens"] = source_tokens  # a blend's tokens per source, from the position alone
             if entry:
@@ -415,6 +421,13 @@ class Trainer:
                 raise DatasetError(f"training.evaluation.datasets.{key.split('/', 1)[1]}: {error}") from None
         return sets
 
+    def _harness_runner(self) -> HarnessRunner | None:
+        """The benchmark of `training.evaluation.harness`, built (and its tasks checked) before any step."""
+        config = self.config.evaluation.harness
+        if config is None:
+            return None
+        tokenizer, stop = model_tokenizer(self.model, self.run_config, dataset=self.data, purpose="run benchmarks")
+        return HarnessRunner(config, tokenizer, self.distributed, stop_tokens=stop)
 
     def _stop_requested(self, signals: _StopSignals) -> bool:
         """Whether any rank received a stop signal (every rank calls it at every step boundary)."""
