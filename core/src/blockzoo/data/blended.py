@@ -41,19 +41,20 @@ class BlendIndex:
         denominator = lcm(*(fraction.denominator for fraction in fractions))
         self.weights = [int(fraction * denominator) for fraction in fractions]
         self.period = sum(self.weights)
+        self.chunk = self.CHUNK
         # counts at the start of chunk k (k < len): the SWRR state, `current`, follows from them and k.
         self._starts: list[list[int]] = [[0] * len(weights)]
         self._chunks: OrderedDict[int, tuple[bytes, array.array]] = OrderedDict()
 
     def locate(self, index: int) -> tuple[int, int]:
         """(source, the sample's number within that source) of blend sample `index`."""
-        chunk, offset = divmod(index, self.CHUNK)
+        chunk, offset = divmod(index, self.chunk)
         sources, within = self._chunk(chunk)
         return sources[offset], within[offset]
 
     def counts(self, samples: int) -> list[int]:
         """How many of the first `samples` samples each source gave."""
-        chunk, offset = divmod(samples, self.CHUNK)
+        chunk, offset = divmod(samples, self.chunk)
         sources, _ = self._chunk(chunk)
         return [start + sources.count(source, 0, offset) for source, start in enumerate(self._starts[chunk])]
 
@@ -72,13 +73,13 @@ class BlendIndex:
     def _compute(self, chunk: int) -> tuple[bytes, array.array]:
         weights, period = self.weights, self.period
         counts = list(self._starts[chunk])
-        first = chunk * self.CHUNK
+        first = chunk * self.chunk
         # The greedy's lag of each source before sample `first`, times the period: weight × first - count × period.
         current = [weight * first - count * period for weight, count in zip(weights, counts)]
         order = range(len(weights))
-        sources = bytearray(self.CHUNK)
-        within = array.array("q", bytes(8 * self.CHUNK))
-        for offset in range(self.CHUNK):
+        sources = bytearray(self.chunk)
+        within = array.array("q", bytes(8 * self.chunk))
+        for offset in range(self.chunk):
             best, best_lag = 0, None
             for source in order:
                 lag = current[source] + weights[source]
