@@ -1,0 +1,19 @@
+"""Config of the MLflow tracker (`type: mlflow`). Imports neither torch nor mlflow."""
+
+from __future__ import annotations
+
+from blockzoo.api import TrackerConfig, configclass, field
+
+
+@configclass
+class MLflowTrackerConfig(TrackerConfig):
+    """Every logged figure as an MLflow metric at its step, the run config as parameters, the end as the run's status.
+    A resumed run continues the same MLflow run (its id is kept in `<output_dir>/trackers/<name>.json`)."""
+
+    tracking_uri: str | None = field(
+        None,
+        doc="Where the runs go (`http://host:5000`, `sqlite:///path/mlflow.db`, `databricks`, ...); None: a SQLite "
+        "store in the output directory, `sqlite:///<output_dir>/mlflow.db`.",
+    )
+    experiment: str = field("blockzoo", doc="The experiment the run belongs to (made if it does not exist).")
+    run_name: str | None = field(None, doc="The MLflow run's name; None: the output directory's name.")

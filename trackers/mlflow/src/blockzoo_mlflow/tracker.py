@@ -1,0 +1,93 @@
+"""The MLflow tracker, through `mlflow.MlflowClient` (no global active run: several trackers and runs in one process
+do not interfere)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from blockzoo.api import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_figures
+
+STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+PARAMS_PER_CALL = 100  # MLflow's limit of parameters in one log_batch
+PARAM_LENGTH = 6000  # MLflow's limit of a parameter's value
+
+
+class MLflowTracker(Tracker):
+    def start(self, run: TrackerRun) -> None:
+        try:
+            from mlflow import MlflowClient
+        except ImportError as error:
+            raise ImportError(f"the mlflow tracker needs mlflow: pip install mlflow ({error})") from None
+        uri = self.config.tracking_uri or f"sqlite:///{(run.output_dir / 'mlflow.db').resolve()}"
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        self.record = TrackerRunFile.of(run)
+        self.run_id = self._continued_run(run) if self.record.run_id else None
+        if self.run_id is None:
+            self.run_id = self._new_run(run)
+        self.last_step = max(self.record.last_step, self._last_logged_step())
+
+    def _new_run(self, run: TrackerRun) -> str:
+        from mlflow.entities import Param
+
+        experiment = self.client.get_experiment_by_name(self.config.experiment)
+        if experiment is None:
+            experiment_id = self.client.create_experiment(self.config.experiment)
+        else:
+            experiment_id = experiment.experiment_id
+        created = self.client.create_run(experiment_id, run_name=self.config.run_name or run.output_dir.name)
+        run_id = created.info.run_id
+        self.record.update(run_id=run_id, last_step=0)
+        params = {**_flat(run.config), **{f"parameters/{k}": v["parameters"] for k, v in run.parameters.items()}}
+        items = [Param(key, str(value)[:PARAM_LENGTH]) for key, value in params.items()]
+        for start in range(0, len(items), PARAMS_PER_CALL):
+            self.client.log_batch(run_id, params=items[start : start + PARAMS_PER_CALL])
+        return run_id
+
+    def _continued_run(self, run: TrackerRun) -> str | None:
+        """The MLflow run an earlier process of this run made (None if its store no longer has it), running again."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(self.record.run_id)
+        except MlflowException:
+            return None
+        self.client.update_run(self.record.run_id, status="RUNNING")
+        self.client.set_tag(self.record.run_id, "blockzoo.resumed_at_step", str(run.start_step))
+        return self.record.run_id
+
+    def _last_logged_step(self) -> int:
+        """The last step of any metric the MLflow run holds (an earlier process may have sent a step it did not
+        record)."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        return max((m.step for key in keys for m in self.client.get_metric_history(self.run_id, key)), default=0)
+
+    def log(self, step: int, entry: Mapping[str, Any]) -> None:
+        # MLflow keeps every point it was sent: the steps an earlier process already sent are not sent again.
+        if step <= self.last_step:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, float(value), now, step) for name, value in scalar_figures(entry).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+        self.last_step = step
+        self.record.update(last_step=step)
+
+    def finish(self, status: RunStatus) -> None:
+        if status.message:
+            self.client.set_tag(self.run_id, "blockzoo.status", status.message[:PARAM_LENGTH])
+        self.client.set_terminated(self.run_id, STATUSES[status.state])
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"model": {"hidden_size": 16}}` -> `{"model.hidden_size": 16}`; lists kept whole."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
