@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import blockzoo
@@ -83,10 +84,20 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def test_generate_on_an_export_converted_back_says_there_is_no_tokenizer(checkpoint, tmp_path):
+def test_generate_on_an_export_converted_back_encodes_as_the_original(checkpoint, tmp_path):
     assert blockzoo_command("convert", checkpoint, tmp_path / "exported", "--format", "mixtral").returncode == 0
     assert blockzoo_command("convert", tmp_path / "exported", tmp_path / "back").returncode == 0
-    result = blockzoo_command("generate", tmp_path / "back", "--prompt", "Once", "--max-new-tokens", 2)
+    outputs = [
+        blockzoo_command("generate", path, "--prompt", "Once", "--max-new-tokens", 4)
+        for path in (checkpoint, tmp_path / "back")
+    ]
+    assert outputs[0].returncode == outputs[1].returncode == 0, outputs[1].stderr
+    assert outputs[0].stdout == outputs[1].stdout
+
+
+def test_generate_of_a_model_with_no_tokenizer_says_so(tmp_path):
+    blockzoo.save(blockzoo.build({"model": TINY["model"]}), tmp_path / "bare")  # data: a memmap of no path
+    result = blockzoo_command("generate", tmp_path / "bare", "--prompt", "Once", "--max-new-tokens", 2)
     assert_usage_error(result, "carries no tokenizer.json, and its training data (memmap type) cannot give one")
 
 
@@ -98,3 +109,23 @@ def test_generate_of_a_run_whose_plugin_is_gone_says_that_alone(checkpoint, tmp_
     assert_usage_error(result, "moe", "is a run directory, but none of its 1 checkpoints can be read")
     assert "nor a run directory" not in result.stderr
     assert blockzoo_command("generate", run, "--prompt", "Once", "--max-new-tokens", 1).returncode == 0
+
+
+@pytest.mark.parametrize("format", ["blockzoo", "mixtral"])
+def test_save_refuses_a_directory_in_use_as_convert_does(checkpoint, tmp_path, format):
+    model = blockzoo.load(checkpoint)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(blockzoo.checkpoint.CheckpointError, match="exists and is not empty; choose a new directory"):
+        blockzoo.save(model, used, format=format)
+    assert (used / "notes.txt").read_text() == "mine"
+    result = blockzoo_command("convert", checkpoint, used, "--format", "mixtral")
+    assert_usage_error(result, "exists and is not empty; choose a new directory")
+    with pytest.raises(blockzoo.checkpoint.CheckpointError, match="holds something other than a checkpoint"):
+        blockzoo.save(model, used, format=format, overwrite=True)
+    assert (used / "notes.txt").read_text() == "mine"
+    saved = blockzoo.save(model, tmp_path / "new", format=format)
+    blockzoo.save(model, saved, format=format, overwrite=True)  # a checkpoint is replaced
+    tokens = torch.arange(8).unsqueeze(0)
+    torch.testing.assert_close(blockzoo.load(saved)(tokens), model(tokens))

@@ -109,12 +109,31 @@ def load(path: str | Path, *, distributed: Distributed | None = None) -> Languag
     return model
 
 
-def save(model: LanguageModel, path: str | Path, *, format: str = "blockzoo", merged: bool = False, **options) -> Path:
+def save(
+    model: LanguageModel,
+    path: str | Path,
+    *,
+    format: str = "blockzoo",
+    merged: bool = False,
+    overwrite: bool = False,
+    **options,
+) -> Path:
     """Write `model` at `path` as a native checkpoint (weights and config), or in another `format` a converter
     plugin provides (e.g. `llama`; `options` are the format's, e.g. `dtype="bfloat16"`). Every rank calls it.
 
+    `path` must be new or an empty directory, as `blockzoo convert` asks of its destination; with `overwrite`, a
+    checkpoint there (of any format) is replaced, and a directory holding anything else is still refused.
+
     A model fine-tuned with PEFT is written in another format with its adapters merged into the weights (the format
     holds the model it computes); natively with its adapters, or with `merged` as a model without PEFT."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not overwrite:
+            raise CheckpointError(path, "exists and is not empty; choose a new directory (or save with overwrite=True)")
+        if not any((path / name).is_file() for name in ("metadata.yaml", "config.json")):
+            raise CheckpointError(path, "holds something other than a checkpoint; refusing to replace it")
+        if format != "blockzoo":
+            shutil.rmtree(path)  # other formats write into a new directory; a native save replaces its own
     if any(True for _ in adapters(model)) and (merged or format != "blockzoo"):
         with merged_weights(model):
             return _save_without_peft(model, path, format, options)
@@ -190,7 +209,7 @@ def _save_without_peft(model: LanguageModel, path: str | Path, format: str, opti
     if run_config is not None:
         model.run_config = attrs.evolve(run_config, model=model.config)
     try:
-        return save(model, path, format=format, **options)
+        return save(model, path, format=format, overwrite=True, **options)
     finally:
         model.config, model.run_config = config, run_config
 
