@@ -1,0 +1,65 @@
+"""The W&B tracker against the offline run files wandb writes (read with wandb's own protobuf records, as `wandb
+sync` uploads them): every figure of metrics.jsonl at its step, the config, the end; a resumed run continuing the
+same W&B run with each step once over its processes' files; a failure that does not stop the run. Never online."""
+
+import json
+from pathlib import Path
+
+from wandb_files import history, run_files, run_info
+
+from blockzoo.testing.tracking import (
+    DETERMINISTIC,
+    logged_figures,
+    straight_and_resumed,
+    tiny_run_config,
+    train_tiny,
+)
+
+TRACKER = "training.trackers={wb: {type: wandb, mode: offline, project: tiny, tags: [a, b]}}"
+
+
+def files_of(output_dir: Path) -> list[Path]:
+    run_id = json.loads((output_dir / "trackers" / "wb.json").read_text())["run_id"]
+    return run_files(output_dir / "wandb", run_id)
+
+
+def by_step(rows: list[dict]) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for row in rows:
+        step = row.pop("_step")
+        assert step not in steps, f"step {step} twice in the run's history"
+        steps[step] = row
+    return steps
+
+
+def test_every_figure_of_the_metrics_file_the_config_and_the_status(tmp_path):
+    overrides = ["data.validation_fraction=0.25", "training.evaluation.interval=4", "training.log_interval=2"]
+    train_tiny(tiny_run_config(tmp_path, TRACKER, *overrides))
+    (path,) = files_of(tmp_path)
+    expected = logged_figures(tmp_path)
+    assert sorted(expected) == [2, 4, 6, 8] and "evaluation_loss" in expected[4]
+    assert by_step(history([path])) == expected
+    info = run_info(path)
+    assert info["project"] == "tiny" and info["exit_code"] == 0 and info["summary"]["status"] == "finished"
+    assert info["config"]["model"]["hidden_size"] == 16 and info["config"]["parameters"]["total"]["parameters"] > 0
+
+
+def test_a_resumed_run_continues_the_wandb_run_each_step_once(tmp_path):
+    straight, resumed = straight_and_resumed(tmp_path, TRACKER, killed_at=6)
+    killed, again = files_of(resumed)  # one file per process, one run id
+    assert run_info(killed)["run_id"] == run_info(again)["run_id"]
+    assert run_info(killed)["exit_code"] == 1 and "Killed" in run_info(killed)["summary"]["status_message"]
+    read = by_step(history([killed, again]))
+    assert sorted(read) == list(range(1, 9))
+    assert sorted(by_step(history([again]))) == [7, 8]  # 5 and 6 were sent by the killed process
+    deterministic = {step: {n: v for n, v in figures.items() if n in DETERMINISTIC} for step, figures in read.items()}
+    assert deterministic == logged_figures(straight, DETERMINISTIC)
+
+
+def test_a_dir_that_cannot_be_made_is_reported_once_and_the_run_trains_on(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    tracker = f"training.trackers={{wb: {{type: wandb, mode: offline, dir: {tmp_path / 'file' / 'wb'}}}}}"
+    messages = train_tiny(tiny_run_config(tmp_path / "run", tracker, "training.train_iters=3"))
+    failures = [message for message in messages if "tracker 'wb' failed" in message]
+    assert len(failures) == 1, messages
+    assert sorted(logged_figures(tmp_path / "run")) == [1, 2, 3]
