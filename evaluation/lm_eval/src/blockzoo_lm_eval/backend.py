@@ -128,6 +128,7 @@ class BlockzooLM(TemplateLM):
 
     # -- scoring -------------------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def _loglikelihood_tokens(
         self, requests: list[LoglikelihoodRequest], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
@@ -197,6 +198,7 @@ class BlockzooLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
+    @torch.no_grad()
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """The model's continuation of each context (its own `generate`, batched by identical generation settings,
         longest first), cut at the first of the task's stop sequences (and the end-of-text token's text)."""
@@ -234,7 +236,17 @@ class BlockzooLM(TemplateLM):
 
 
 def _end_of_text(tokenizer: Any) -> list[int]:
+    """The tokenizer's end-of-text id: its `eod_token_id`, else the `eos_token` of the tokenizer_config.json beside a
+    Hugging Face tokenizer.json (what lm-eval's Hugging Face backend uses); none if neither says."""
     stop = getattr(tokenizer, "eod_token_id", None)
+    if stop is None and isinstance(tokenizer, HuggingFaceTokenizer):
+        settings = tokenizer.path.with_name("tokenizer_config.json")
+        token = json.loads(settings.read_text()).get("eos_token") if settings.is_file() else None
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            import tokenizers
+
+            stop = tokenizers.Tokenizer.from_file(str(tokenizer.path)).token_to_id(token)
     return [] if stop is None else [stop]
 
 

@@ -101,9 +101,9 @@ def task_manager(tasks: list[str], task_paths: list[str]) -> Any:
     include = [str(Path(path).resolve()) for path in task_paths] or None
     manager = None
     if include:
-        manager = TaskManager(include_path=include, include_defaults=False, verbosity="ERROR")
+        manager = TaskManager(include_path=include, include_defaults=False)
     if manager is None or any(task not in manager.all_tasks for task in tasks):
-        manager = TaskManager(include_path=include, include_defaults=True, verbosity="ERROR")
+        manager = TaskManager(include_path=include, include_defaults=True)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         hints = []
