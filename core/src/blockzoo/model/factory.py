@@ -66,8 +66,15 @@ def build(
     source = run_config.model.pretrained
     if source is not None:
         run_config = with_pretrained_config(run_config, source)
-    with uninitialized(source is not None):
-        model = LanguageModel(run_config.model, distributed or Distributed(run_config.distributed))
+    distributed = distributed or Distributed(run_config.distributed)
+    try:
+        with uninitialized(source is not None):
+            model = LanguageModel(run_config.model, distributed)
+    except (RuntimeError, MemoryError):  # the allocator's words: say which fields ask for too much, as `train` does
+        from blockzoo.model.size import check_fits
+
+        check_fits(run_config, distributed, training=False)
+        raise
     model.run_config = run_config
     if source is not None:
         load_pretrained_weights(model, source)
