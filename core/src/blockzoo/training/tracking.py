@@ -226,7 +226,7 @@ class Trackers:
                 worker.submit(functools.partial(worker.tracker.finish, status))
         for worker in self._workers:
             if not worker.wait(FINISH_SECONDS) and worker.failure is None:
-                worker.failure = f"did not finish within {FINISH_SECONDS:.0f} s (left running in the background)"
+                worker.failure = f"did not finish within {FINISH_SECONDS:g} s (left running in the background)"
             worker.stop()
         self.check()
 
@@ -234,7 +234,7 @@ class Trackers:
         """Report each new failure once (or, with `required`, raise it)."""
         for worker in self._workers:
             if worker.dropped and not worker.reported and worker.failure is None:
-                worker.failure = f"fell behind by {QUEUE_SIZE} logged steps; its later entries are dropped"
+                worker.failure = f"fell behind by {QUEUE_SIZE} logged steps (entries dropped)"
             if worker.failure is None or worker.reported:
                 continue
             worker.reported = True
