@@ -235,25 +235,24 @@ def test_a_killed_prepare_leaves_no_dataset_that_looks_complete_and_a_rerun_succ
 
 MEASURE = """
 import sys
-import pyarrow as pa, pyarrow.parquet as pq
 from blockzoo.data.prepare import prepare
-rows, directory = int(sys.argv[1]), sys.argv[2]
-row = ("All work and no play makes a dull model. " * 25).strip()
-writer = pq.ParquetWriter(directory + "/corpus.parquet", pa.schema([("text", pa.string())]))
-for _ in range(rows // 1000):
-    writer.write_table(pa.table({"text": [row] * 1000}))
-writer.close()
-prepare([directory + "/corpus.parquet"], directory + "/t", workers=1)
+prepare([sys.argv[1]], sys.argv[2], workers=1)
 with open("/proc/self/status") as status:
     print(next(int(line.split()[1]) for line in status if line.startswith("VmHWM")))
 """
 
 
 def peak_rss_mib(tmp_path: Path, rows: int) -> float:
+    """The peak RSS of a process preparing a Parquet file of `rows` rows of about 1 KB (written in row groups of
+    1000)."""
     directory = tmp_path / str(rows)
     directory.mkdir()
-    result = subprocess.run([sys.executable, "-c", MEASURE, str(rows), str(directory)], capture_output=True,
-                            text=True, check=True, timeout=600)  # fmt: skip
+    row = ("All work and no play makes a dull model. " * 25).strip()
+    with pq.ParquetWriter(directory / "corpus.parquet", pa.schema([("text", pa.string())])) as writer:
+        for _ in range(rows // 1000):
+            writer.write_table(pa.table({"text": [row] * 1000}))
+    command = [sys.executable, "-c", MEASURE, str(directory / "corpus.parquet"), str(directory / "t")]
+    result = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
     return int(result.stdout.split()[-1]) / 1024
 
 
