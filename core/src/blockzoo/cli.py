@@ -22,7 +22,13 @@ USAGE_ERROR = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    arguments = parser.parse_args(argv)
+    arguments, extra = parser.parse_known_args(argv)
+    # KEY=VALUE overrides may also follow the options (`blockzoo evaluate RUN --tasks T distributed.x=1`): argparse
+    # takes positionals only before them.
+    if extra and getattr(arguments, "overrides_anywhere", False) and all(_is_override(item) for item in extra):
+        arguments.overrides = [*arguments.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     show_traceback = arguments.traceback or os.environ.get("BLOCKZOO_TRACEBACK", "") not in ("", "0")
     try:
         return arguments.run(arguments)
@@ -44,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "" if show_traceback else " (--traceback or BLOCKZOO_TRACEBACK=1 shows the traceback)"
         print(f"blockzoo: error: {failure.message()}{hint}", file=sys.stderr)
         return USAGE_ERROR
+
+
+def _is_override(argument: str) -> bool:
+    return "=" in argument and not argument.startswith("-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--output", default="evaluation.json", help="the results JSON (default: evaluation.json)")
     evaluate.add_argument("--benchmark", default="lm_eval", help="the benchmark type (default: lm_eval)")
-    evaluate.set_defaults(run=_evaluate)
+    evaluate.set_defaults(run=_evaluate, overrides_anywhere=True)
 
     convert = commands.add_parser(
         "convert", help="convert a checkpoint between blockzoo and another format (e.g. Hugging Face), streaming"
