@@ -574,7 +574,9 @@ def test_check_sequence_data_parallel_lists_the_problems_of_every_case(kittest):
         "forgets-the-slice-before": {"type": "kittest.false_sequence_data_parallel", "channels": 8},
     }
     with pytest.raises(ConformanceError) as raised:
-        check_sequence_data_parallel(MixerConfig, cases, lengths=(7, 1, 4), micro_sequence_lengths=(None, 3))
+        check_sequence_data_parallel(
+            MixerConfig, cases, lengths=(7, 1, 4), sequence_data_parallel=2, micro_sequence_lengths=(None, 3)
+        )
     message = str(raised.value)
     assert "working" not in message
     # Document 0 (tokens 0:7) straddles the ranks' slices (6:12 on rank 1) and the micro-sequences (3:6 on rank 1, 6:9
@@ -742,11 +744,12 @@ def test_pytest_reports_a_false_sequence_data_parallel_claim(pytester):
     )
     assert "ConformanceError: slices of 1 tokens: the output differs" in output
     assert "Over slices of sequences, forward_slice(hidden, batch, previous) must give what the whole forward" in output
-    # Documents (5, 1, 6): only micro-sequences of 3 tokens over 2 ranks make a slice continue a document.
+    # The generated documents straddle every rank's boundary: one slice a rank over 2 ranks fails already.
     assert re.search(
-        r"ConformanceError: config_factory\(\): sequence_data_parallel=2, micro_sequence_length=3, rank [01]: the",
+        r"ConformanceError: config_factory\(\): sequence_data_parallel=2, documents \[[\d, ]+\], rank 0: the input",
         output,
     )
+    assert re.search(r"\nE +config_factory\(\): sequence_data_parallel=4, micro_sequence_length=3, documents", output)
     assert re.search(r"\nE +What to fix:\nE +A layer that declares sequence_data_parallel must give", output)
     assert "terminated with the following error" not in output
 

@@ -106,9 +106,10 @@ class LayerConformance:
     tensor_parallel_sizes: ClassVar[tuple[int, ...]] = (2,)
     # When the type declares sequence_data_parallel: the slice lengths run one after the other in one process (they
     # must divide the tokens of `lengths`; 4 makes documents straddle slices), the sequence-data-parallel sizes on
-    # gloo (one set of processes per size) and the micro-sequence lengths checked with them (None: one slice a rank).
+    # gloo (all in one set of processes) and the micro-sequence lengths checked with them (None: one slice a rank),
+    # each pair on its own generated batch whose every slice continues a document (blockzoo.testing.layouts).
     slice_lengths: ClassVar[tuple[int, ...]] = (1, 4, 6)
-    sequence_data_parallel_sizes: ClassVar[tuple[int, ...]] = (2,)
+    sequence_data_parallel_sizes: ClassVar[tuple[int, ...]] = (2, 4)
     micro_sequence_lengths: ClassVar[tuple[int | None, ...]] = (None, 3)
     # Field name -> an update of the config that should change the layer, for fields whose change the kit cannot
     # derive (strings, lists) or that need other fields set with them: {"activation": {"activation": "relu"}}.
@@ -444,17 +445,17 @@ class LayerConformance:
         config = self._config()
         if SEQUENCE_DATA_PARALLEL not in config.capabilities:
             pytest.skip(f"{type(config).__name__} does not declare sequence_data_parallel")
-        for size in self.sequence_data_parallel_sizes:
-            check_sequence_data_parallel(
-                self.kind_config,
-                {"config_factory()": config},
-                hidden_size=self.hidden_size,
-                lengths=self.lengths,
-                tolerance=self.tolerance,
-                sequence_data_parallel=size,
-                micro_sequence_lengths=self.micro_sequence_lengths,
-                seed=self.seed,
-            )
+        # Not `lengths`: generated batches whose every slice continues a document (blockzoo.testing.layouts), all
+        # sizes in one set of processes.
+        check_sequence_data_parallel(
+            self.kind_config,
+            {"config_factory()": config},
+            hidden_size=self.hidden_size,
+            tolerance=self.tolerance,
+            sequence_data_parallel=self.sequence_data_parallel_sizes,
+            micro_sequence_lengths=self.micro_sequence_lengths,
+            seed=self.seed,
+        )
 
     def test_generation_equals_the_full_forward(self) -> None:
         config = self._config()

@@ -470,14 +470,17 @@ def _run_problems(
     label: str,
     reference: str = "the whole forward",
     rows: slice | torch.Tensor = slice(None),
+    parameter_gradient_tolerance: Mapping[str, float] | None = None,
 ) -> list[str]:
-    """What differs between two runs (`rows`: the tokens of `expected` that `found` holds)."""
+    """What differs between two runs (`rows`: the tokens of `expected` that `found` holds). The parameter gradients
+    are compared within `parameter_gradient_tolerance` (default `tolerance`)."""
+    gradient_tolerance = tolerance if parameter_gradient_tolerance is None else parameter_gradient_tolerance
     problems = [
         _mismatch(found.output, expected.output[rows], tolerance, f"{label}: the output"),
         _mismatch(found.input_grad, expected.input_grad[rows], tolerance, f"{label}: the input gradient"),
     ]
     problems += [
-        _mismatch(gradient, expected.grads[name], tolerance, f"{label}: the gradient of {name!r}")
+        _mismatch(gradient, expected.grads[name], gradient_tolerance, f"{label}: the gradient of {name!r}")
         for name, gradient in found.grads.items()
     ]
     if found_losses.keys() != expected_losses.keys():
