@@ -13,7 +13,8 @@ to the files it matches, sorted.
 
 Work units depend on the inputs only, never on the number of workers, so that any number of workers writes the
 same shards: consecutive small files are grouped, large Parquet files are cut between row groups, Arrow IPC
-files between record batches and uncompressed JSONL files between lines, into units of about `UNIT_BYTES`.
+files between record batches and uncompressed JSONL files between lines, into units of about `UNIT_BYTES`
+(16 MiB, uncompressed for Parquet).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ EXTENSIONS = {
 EXTENSIONS["paragraphs"] = EXTENSIONS["text"]
 COMPRESSIONS = (".gz", ".zst")
 DATASETS_MARKERS = ("state.json", "dataset_info.json")
-UNIT_BYTES = 32 << 20  # about the input bytes of one work unit (one shard)
+# About the input bytes (uncompressed, for Parquet) of one work unit, one shard: small enough that the units keep
+# every worker busy to the end (a unit is some seconds of one CPU), large enough that a large corpus is not
+# thousands of files.
+UNIT_BYTES = 16 << 20
 _GLOB_CHARACTERS = "*?["
 
 
@@ -176,11 +180,13 @@ def plan_units(files: Sequence[InputFile]) -> list[WorkUnit]:
     """The input cut into work units of about UNIT_BYTES, in input order (see the module's doc)."""
     units: list[WorkUnit] = []
     pending: list[Piece] = []
+    pending_size = 0
     for piece in (piece for file in files for piece in _pieces(file)):
-        if pending and sum(p.size for p in pending) + piece.size > UNIT_BYTES:
+        if pending and pending_size + piece.size > UNIT_BYTES:
             units.append(WorkUnit(len(units), tuple(pending)))
-            pending = []
+            pending, pending_size = [], 0
         pending.append(piece)
+        pending_size += piece.size
     if pending:
         units.append(WorkUnit(len(units), tuple(pending)))
     return units
@@ -194,11 +200,8 @@ def _pieces(file: InputFile) -> list[Piece]:
         from blockzoo.data.readers import open_parquet
 
         metadata = open_parquet(file.path).metadata
-        sizes = [
-            sum(metadata.row_group(group).column(c).total_compressed_size for c in range(metadata.num_columns))
-            for group in range(metadata.num_row_groups)
-        ]
-        return _spans(file, sizes)
+        # Uncompressed sizes: a unit is about UNIT_BYTES of text whatever the compression.
+        return _spans(file, [metadata.row_group(group).total_byte_size for group in range(metadata.num_row_groups)])
     if file.format == "arrow" and is_arrow_file(file.path):
         from blockzoo.data.readers import open_arrow_file
 
