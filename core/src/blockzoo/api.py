@@ -102,6 +102,8 @@ _LAZY = {
     "gather_slices_detached": "blockzoo.distributed.sequence",
     "previous_slice": "blockzoo.distributed.sequence",
     "sum_over_slices": "blockzoo.distributed.sequence",
+    "initial_state_over_ranks": "blockzoo.ssm.state_passing",
+    "depend_on": "blockzoo.ssm.state_passing",
 }
 
 __all__ = [

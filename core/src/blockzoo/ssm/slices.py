@@ -20,10 +20,11 @@ from typing import NamedTuple
 
 import torch
 
+from blockzoo.api import depend_on, initial_state_over_ranks  # the public rank-combining step
 from blockzoo.layers.base import Batch
 from blockzoo.ssm.conv import causal_conv1d
 from blockzoo.ssm.scan import selective_scan, ssd_scan, time_step
-from blockzoo.ssm.state_passing import convolution_halo, depend_on, group_of, initial_state_over_ranks
+from blockzoo.ssm.state_passing import convolution_halo, group_of
 
 
 class SSMCarry(NamedTuple):

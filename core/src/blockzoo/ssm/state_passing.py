@@ -18,6 +18,9 @@ gradient of each rank's initial state and halo is sent back, summed, to the rank
 them. Every rank must take part in each backward collective, so the halo and the initial state always depend on
 what was gathered, even where they use none of it (the first rank; `depend_on`, with a zero gradient), and a rank
 whose slice does not continue a document keeps them in its graph the same way.
+
+`initial_state_over_ranks` and `depend_on` are public (`blockzoo.api`): any linear recurrence's `forward_slice` uses
+them (docs/plugins/write-a-mixer.md).
 """
 
 from __future__ import annotations
@@ -77,12 +80,20 @@ def _in_document(halo: torch.Tensor | None, batch: Batch) -> torch.Tensor | None
 def initial_state_over_ranks(
     final: torch.Tensor, decay: torch.Tensor, batch: Batch, previous: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(initial, carry): this rank's true initial state and the state after the group's last slice.
+    """(initial, carry): this rank's true initial state and the state after the group's last slice: the rank-combining
+    step of a linear recurrence h_t = a_t ⊙ h_{t-1} + b_t under sequence-data parallelism (public:
+    `blockzoo.api.initial_state_over_ranks`).
 
-    final: the state after this rank's last token, scanned from a zero state; decay (broadcastable to final's
-    shape, the same shape on every rank): the product of the slice's per-token decays, which carries the entering
-    state through a slice that lies inside one continued document. `previous`: the state before the group's first
-    slice (None: zeros). Both results are fp32 (float64 for float64 states) and differentiable.
+    Each rank scans its slice from a zero state and calls this with, on every rank of `batch.sequence_data.group`
+    (a collective; tensors of the same shape everywhere): `final`, the state after its last token; `decay`
+    (broadcastable to `final`), the product of the per-token decays of the slice's last piece, which carries the
+    entering state through the slice when it lies inside one continued document (it is ignored, taken as 0, when a
+    document starts in the slice: the state is cut there); `previous`, the state before the group's first slice
+    (the carry of the step before; None: zeros). Rank r's initial state is Σ_{j<r} (Π_{j<i<r} a_i) S_j + (Π_{i<r}
+    a_i) · previous; the carry the same over all ranks, identical on every rank. The rank then adds what the initial
+    state contributes to its first piece (the recurrence is linear in it: the scan of zero inputs from it) when
+    `batch.continued > 0`, and else keeps it in its graph with `depend_on(output, initial)`. Both results are fp32
+    (float64 for float64 states) and differentiable: the backward returns each rank's share of the gradient.
     """
     group = group_of(batch)
     if group is None:
@@ -117,5 +128,6 @@ class _DependOn(torch.autograd.Function):
 
 def depend_on(output: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """`output`, with `other` in its graph at a zero gradient: a rank that does not use what an exchange gave it
-    still joins the exchange's backward collective (the other ranks would wait for it)."""
+    still joins the exchange's backward collective (the other ranks would wait for it). Public:
+    `blockzoo.api.depend_on`."""
     return _DependOn.apply(output, other) if torch.is_grad_enabled() and other.requires_grad else output

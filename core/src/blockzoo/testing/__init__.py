@@ -11,7 +11,9 @@
   layer elsewhere: CUDA, bf16), `check_decoding` (generation against the
   full forward) and `check_forward_slices` (slices of the documents one after the other against the whole forward).
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
-  (`blockzoo.testing.parallel`): cases split between gloo ranks against one process, all in one set of processes.
+  (`blockzoo.testing.parallel`): cases split between gloo ranks against one process, all in one set of processes;
+  the second on generated batches whose every slice continues a document (`straddling_lengths`, `layout_problems`:
+  `blockzoo.testing.layouts`).
 - `run_distributed(world_size, fn, *args)` (`blockzoo.testing.distributed`): gloo ranks on the CPU.
 - A tracker plugin's tests (`blockzoo.testing.tracking`): `tiny_run_config(output_dir, *overrides)` (`TINY_RUN`, a
   run of seconds), `train_tiny(config)`, `train_killed_at(config, step)` (a crash after that step's figures were
