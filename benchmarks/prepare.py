@@ -15,6 +15,7 @@ its descendants of their proportional set size (PSS, /proc/PID/smaps_rollup: a p
 1/k to each), sampled every 20 ms. Then the token ids are checked equal: every document, in order, of our dataset
 (read through the memmap dataset's store) and of the peer's Arrow cache files (read with pyarrow).
 
+`--repeats N` runs each N times, alternated; the figures are the best time and the highest peak of each.
 Goal: ours >= 1.2x the peer's tokens/s at <= 0.5x its peak memory. `python benchmarks/prepare.py` (200 MB);
 `--tiny` (2 MB, a 2k vocabulary: a check of the script, tests/test_benchmarks.py). Run it on an idle machine.
 """
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--vocabulary", type=int, default=32_000, help="BPE vocabulary (default 32000)")
     parser.add_argument("--peer-processes", type=int, default=2, help="datasets' num_proc (default 2)")
     parser.add_argument("--workers", type=int, help="ours: --workers (default: prepare's default, the usable CPUs)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each, alternated: best time, worst peak")
     parser.add_argument("--directory", type=Path, help="where the corpus is made / reused (default: a temporary one)")
     parser.add_argument("--tiny", action="store_true", help="2 MB, 2 shards, a 2k vocabulary: a check of the script")
     parser.add_argument("--json", type=Path, help="also write the figures as one JSON object here")
@@ -237,21 +239,33 @@ def run(arguments: argparse.Namespace) -> None:
     tokenizer = root / f"tokenizer-{arguments.vocabulary}.json"
     if not tokenizer.is_file():
         train_tokenizer(Path(files[0]), arguments.vocabulary, tokenizer)
-    for output in ("ours", "peer-cache"):
-        shutil.rmtree(root / output, ignore_errors=True)
     prefix = root / "ours" / "tokens"
     command = [sys.executable, "-m", "blockzoo", "prepare", str(corpus), "--tokenizer", str(tokenizer),
                "--eod-token", EOD, "--output", str(prefix)]  # fmt: skip
     if arguments.workers is not None:
         command += ["--workers", str(arguments.workers)]
-    ours = run_measured(command)
     peer_arguments = json.dumps([files, str(root / "peer-cache"), str(tokenizer), arguments.peer_processes])
-    peer = run_measured([sys.executable, "-c", PEER, peer_arguments], {**os.environ, "TQDM_DISABLE": "1"})
+    peer_command = [sys.executable, "-c", PEER, peer_arguments]
+    runs: dict[str, list[dict]] = {"ours": [], "peer": []}
+    load_before = os.getloadavg()[0]
+    for _ in range(arguments.repeats):  # alternated, so that a busy spell of the machine does not favour one
+        for output in ("ours", "peer-cache"):
+            shutil.rmtree(root / output, ignore_errors=True)
+        runs["ours"].append(run_measured(command))
+        runs["peer"].append(run_measured(peer_command, {**os.environ, "TQDM_DISABLE": "1"}))
+    ours, peer = (
+        {"seconds": min(run["seconds"] for run in runs[name]), "peak_mib": max(run["peak_mib"] for run in runs[name]),
+         "all_seconds": [round(run["seconds"], 1) for run in runs[name]], "stdout": runs[name][-1]["stdout"]}
+        for name in ("ours", "peer")
+    )  # fmt: skip
     tokens = check_equal(prefix, json.loads(peer["stdout"].strip().splitlines()[-1]))
     size = sum(Path(file).stat().st_size for file in files)
     print(f"corpus: {arguments.megabytes:g} MB of text in {len(files)} Parquet files ({size / 1e6:.1f} MB), "
           f"{tokens:,} tokens (a {arguments.vocabulary} BPE); {os.cpu_count()} CPUs; {versions()}")  # fmt: skip
     print("token ids: the same documents, the same ids (ours read through the memmap store, the peer's Arrow cache)")
+    print(f"best of {arguments.repeats} runs each (seconds of every run: ours {ours['all_seconds']}, peer "
+          f"{peer['all_seconds']}); peak: the highest; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
     print(f"{'contender':<48} {'seconds':>8} {'tokens/s':>12} {'peak MiB':>9}")
     rows = {"ours (blockzoo prepare)": ours, f"datasets map (num_proc={arguments.peer_processes})": peer}
     for name, figures in rows.items():

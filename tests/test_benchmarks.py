@@ -404,3 +404,19 @@ def test_memory_step_replays_the_trace_to_its_peak_and_names_who_allocated():
     peak, contents = peak_contents(trace)
     assert peak == 170
     assert contents == [("mixers/mamba_2.py:30 forward", 90, 1), ("mixers/mamba_2.py:20 forward", 80, 2)]
+
+
+def test_prepare_benchmark_tiny_checks_equal_token_ids_and_reports_both(tmp_path):
+    """benchmarks/prepare.py at --tiny: both contenders run, the script's check of equal token ids passes (it raises
+    otherwise), and the figures are written."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/prepare.py", "--tiny", "--directory", str(tmp_path), "--json",
+         str(tmp_path / "prepare.json")],
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads((tmp_path / "prepare.json").read_text())
+    assert figures["tokens"] > 100_000
+    for contender in ("ours", "peer"):
+        assert figures[contender]["seconds"] > 0 and figures[contender]["peak_mib"] > 0
+    assert "the same documents, the same ids" in result.stdout
