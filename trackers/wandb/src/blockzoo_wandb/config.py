@@ -21,6 +21,6 @@ class WandbTrackerConfig(TrackerConfig):
         doc="`online`: sent as the run goes (needs `wandb login` or WANDB_API_KEY); `offline`: written under `dir` "
         "only, for `wandb sync` later; `disabled`: nothing.",
     )
-    tags: tuple[str, ...] = field((), doc="Tags of the W&B run.")
+    tags: list[str] = field(factory=list, doc="Tags of the W&B run.")
     group: str | None = field(None, doc="The W&B group the run belongs to (runs compared together).")
     dir: str | None = field(None, doc="Where wandb keeps its files (its `wandb/` folder); None: the output directory.")
