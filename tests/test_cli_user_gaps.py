@@ -129,3 +129,47 @@ def test_save_refuses_a_directory_in_use_as_convert_does(checkpoint, tmp_path, f
     blockzoo.save(model, saved, format=format, overwrite=True)  # a checkpoint is replaced
     tokens = torch.arange(8).unsqueeze(0)
     torch.testing.assert_close(blockzoo.load(saved)(tokens), model(tokens))
+
+
+HYBRID = {
+    "hidden_size": 16,
+    "embeddings": {"vocab_size": 257},
+    "decoder": {
+        "type": "pattern",
+        "num_blocks": 2,
+        "pattern": ["ssm", "attn"],
+        "blocks": {
+            "ssm": {
+                "mixer": {"type": "mamba_2", "state_size": 4, "head_size": 8, "chunk_size": 8},
+                "mlp": {"type": "none"},
+            },
+            "attn": {"mixer": {"type": "attention", "heads": 2, "head_size": 8}, "mlp": {"type": "none"}},
+        },
+    },
+}
+
+
+def test_a_partial_override_of_a_pretrained_pattern_keeps_the_checkpoint_types(tmp_path):
+    blockzoo.save(blockzoo.build({"model": HYBRID}), tmp_path / "base")
+    partial = {"pretrained": str(tmp_path / "base"), "decoder": {"blocks": {"attn": {"mixer": {"window_size": 4}}}}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": partial, "data": TINY["data"]}))
+    result = blockzoo_command("config", config)
+    assert result.returncode == 0, result.stderr
+    decoder = yaml.safe_load(result.stdout)["model"]["decoder"]
+    assert decoder["type"] == "pattern" and decoder["pattern"] == ["ssm", "attn"]
+    assert decoder["blocks"]["attn"]["mixer"]["window_size"] == 4
+    assert decoder["blocks"]["ssm"]["mixer"]["type"] == "mamba_2"
+    model = blockzoo.build(config)
+    assert model.config.decoder.blocks["attn"].mixer.window_size == 4
+    assert model.config.decoder.blocks["ssm"].mixer.state_size == 4
+
+
+def test_a_section_read_as_the_default_type_says_so(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"decoder": {"blocks": {"a": {}}, "pattern": ["a"]}}}))
+    assert_usage_error(
+        blockzoo_command("config", config),
+        "model.decoder.blocks: unknown key; did you mean 'block'?",
+        "(no `type` given: the default block_sequence type 'fixed' was assumed)",
+    )

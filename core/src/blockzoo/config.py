@@ -387,13 +387,35 @@ def _structure_hook_factory(cls: type[Config], converter: cattrs.Converter) -> A
         if polymorphic:
             target = _resolve_type(cls, data.get("type"))
             if target is not cls:
-                return converter.structure(data, target)
+                if "type" in data:
+                    return converter.structure(data, target)
+                return _structure_assumed(data, cls, target)
             data = {key: value for key, value in data.items() if key != "type"}
+        given = frozenset(data)
+        if (complete := getattr(cls, "complete_data", None)) is not None:
+            data = complete(data)
         instance = structure_fields(data, cls)
-        object.__setattr__(instance, "_explicit_fields", frozenset(data))
+        object.__setattr__(instance, "_explicit_fields", given)
         return instance
 
     return structure
+
+
+def _structure_assumed(data: Mapping, annotated: type[PolymorphicConfig], target: type) -> Config:
+    """Structure a section with no `type` as the kind's default type; its problems say that default was assumed (a
+    section meant as another type, e.g. a partial override, otherwise reads as nonsense)."""
+    try:
+        return converter.structure(data, target)
+    except Exception as error:  # noqa: BLE001 - every problem reported, with the default named
+        _reraise_plugin_error(error)
+        assumed = f" (no `type` given: the default {annotated.kind} type {annotated.default_type!r} was assumed)"
+        # Keys of this very section that the default type has not, or needs: another type may have been meant.
+        suspect = ("unknown key", "missing required")
+        problems = [
+            (path, message + assumed if "." not in path and message.startswith(suspect) else message)
+            for path, message in _collect_errors(error, [])
+        ]
+        raise ConfigError(problems) from None
 
 
 def _structure_infinite(value: Any, annotation: Any) -> Any:

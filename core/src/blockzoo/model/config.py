@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from blockzoo.config import (
     Config,
@@ -13,6 +14,7 @@ from blockzoo.config import (
     check,
     configclass,
     field,
+    merge,
     structure,
 )
 from blockzoo.layers.config import MixerConfig, MLPConfig, NoMixerConfig, NormalizationConfig, ParameterConfig
@@ -208,6 +210,22 @@ class ModelConfig(Config):
         "model config, updated with the fields given beside this one, and its weights. Consumed when the model is "
         "built: the built model's config (and its checkpoints) has none.",
     )
+
+    @classmethod
+    def complete_data(cls, data: Mapping[str, Any]) -> Mapping[str, Any]:
+        """With `pretrained`: the fields given merged into the checkpoint's own model config, so a partial section
+        (`decoder: {blocks: {attn: {mixer: {window_size: 512}}}}`) updates the checkpoint's types instead of being
+        read as the defaults. A checkpoint that cannot be read here is reported when the model is built."""
+        source = data.get("pretrained")
+        if not isinstance(source, str):
+            return data
+        from blockzoo.model.factory import pretrained_model_config  # reads a checkpoint: imports torch
+
+        try:
+            pretrained = pretrained_model_config(source)
+        except Exception:  # noqa: BLE001 - said, with its cause, where the weights are read
+            return data
+        return merge({key: value for key, value in pretrained.items() if key != "pretrained"}, data)
 
     def __attrs_post_init__(self) -> None:
         if self.tied_embedding_weight and self.head.output_weight != ParameterConfig():
