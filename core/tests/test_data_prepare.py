@@ -212,7 +212,14 @@ def test_damaged_datasets_are_refused_with_the_reason(prepared):
         (lambda: edit_metadata(files, dtype="int8"), "unknown token dtype 'int8'"),
         (lambda: edit_metadata(files, num_documents=0), "the shards' num_documents do not add up"),
         (lambda: edit_metadata(files, num_documents=0, shards=[]), "no valid 'shards' list"),
-        (lambda: edit_metadata(files, shards=[{"name": "../t", "num_documents": 3, "num_tokens": 23}]), "shard 0 is not"),
+        (
+            lambda: edit_metadata(files, num_documents=0, shards=[{"name": "t", "num_documents": 0, "num_tokens": 23}]),
+            "holds no documents",
+        ),
+        (
+            lambda: edit_metadata(files, shards=[{"name": "../t", "num_documents": 3, "num_tokens": 23}]),
+            "shard 0 is not",
+        ),
         (
             lambda: edit_metadata(files, num_tokens=22, shards=[{"name": "t", "num_documents": 3, "num_tokens": 22}]),
             "is longer than its metadata says",

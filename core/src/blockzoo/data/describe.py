@@ -7,6 +7,8 @@ from pathlib import Path
 from blockzoo.data.memmap import open_store
 from blockzoo.data.storage import DatasetFiles, read_metadata, tokenizer_of
 
+_LISTED = 20  # sources and shards listed; a corpus of thousands of files is summed up
+
 
 def describe(prefix: str | Path, *, samples: int = 3, characters: int = 300) -> str:
     """A report of the dataset at `prefix`: counts, tokenizer, shards, sources and the first `samples` documents
@@ -30,11 +32,15 @@ def describe(prefix: str | Path, *, samples: int = 3, characters: int = 300) -> 
     ]
     lines += [
         f"  {shard['name']}.bin/.idx: {shard['num_documents']:,} documents, {shard['num_tokens']:,} tokens"
-        for shard in metadata["shards"]
+        for shard in metadata["shards"][:_LISTED]
     ]
+    if len(metadata["shards"]) > _LISTED:
+        lines.append(f"  ... and {len(metadata['shards']) - _LISTED} more")
     sources = metadata.get("sources") or []
     lines.append(f"sources    {len(sources)}")
-    lines += [f"  {source}" for source in sources]
+    lines += [f"  {source}" for source in sources[:_LISTED]]
+    if len(sources) > _LISTED:
+        lines.append(f"  ... and {len(sources) - _LISTED} more (all in {files.metadata})")
     offsets = store.offsets
     for number in range(min(samples, documents)):
         ids = store.tokens[int(offsets[number]) : int(offsets[number + 1])].tolist()
