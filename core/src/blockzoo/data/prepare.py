@@ -14,6 +14,7 @@ import os
 import queue
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -144,18 +145,23 @@ def _tokenize(job: _Job, encoder: Tokenizer, report: Callable[[int, int, int], N
 
 def _in_processes(jobs: list[_Job], workers: int, report: Callable[[int, int, int], None]) -> list[dict[str, Any]]:
     """Run the jobs on `workers` fresh processes (spawned: nothing of this process's threads or pyarrow pools is
-    inherited); their progress comes through a queue. Returns the shard summaries in unit order."""
+    inherited); their progress comes through a queue. Returns the shard summaries in unit order. The first error
+    stops the run: the units not started are cancelled, those running finish, and the error is raised (a worker
+    that dies, killed for memory say, is an error too: the pool is then broken, never waited on forever)."""
     context = multiprocessing.get_context("spawn")
     progress = context.Queue()
-    with context.Pool(workers, initializer=_start_worker, initargs=(progress,)) as pool:
-        results = [pool.apply_async(_run_job, (job,)) for job in jobs]
-        while not all(result.ready() for result in results):
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(progress,))
+    try:
+        futures = [pool.submit(_run_job, job) for job in jobs]
+        while not all(future.done() for future in futures):
             _drain(progress, report, timeout=0.1)
-            for result in results:
-                if result.ready() and not result.successful():
-                    result.get()  # raises the worker's error; leaving the `with` terminates the others
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
         _drain(progress, report, timeout=0)
-        return [result.get() for result in results]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _drain(progress: Any, report: Callable[[int, int, int], None], timeout: float) -> None:
