@@ -94,7 +94,7 @@ def template(session: nox.Session) -> None:
     install(session, Path("core"), extra=None)
     session.install("copier>=9")
     root = Path(tempfile.mkdtemp(prefix="blockzoo-template-"))
-    kinds = ("mixer", "mlp")
+    kinds = ("mixer", "mlp", "tracker")
     try:
         for kind in kinds:
             project = root / kind
