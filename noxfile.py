@@ -76,9 +76,13 @@ def demo(session: nox.Session) -> None:
     """The main job: train a small transformer on the embedded corpus (about two minutes on 2 CPU cores), then
     reload its checkpoint and continue a prompt. `nox -s demo -- moe` (or `-- hybrid`) does the same with
     examples/moe.yaml (examples/hybrid.yaml: attention + Mamba 2; `-- gated_delta_net`: Gated DeltaNet + attention;
-    `-- mla`: Mamba 2 + multi-head latent attention with MoE)."""
+    `-- mla`: Mamba 2 + multi-head latent attention with MoE; `-- blended`: three sources made and prepared by
+    examples/blended_data.py into data/blended, blended, a validation set per source)."""
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
+    if example == "blended":  # its data: Parquet, .jsonl.zst and text sources, a trained tokenizer.json, prepared
+        session.install("pyarrow", "zstandard", "tokenizers")
+        session.run("python", "examples/blended_data.py")
     output = f"runs/{example}"  # the example's own output_dir, where the README's next commands look
     session.run("rm", "-rf", output, external=True)  # the demo trains anew
     session.run("blockzoo", "train", f"examples/{example}.yaml", f"training.output_dir={output}")
