@@ -1,7 +1,9 @@
 """blockzoo: a plugin-based model zoo for training language models assembled from blocks.
 
 `import blockzoo` is cheap: it loads no plugin and no torch. Plugins load on first use, and the
-Python API (`build`, `load`, `save`) imports torch when first used.
+Python API (`build`, `load`, `save`, `Trainer`) imports torch when first used. The configs a model and a run are
+assembled from are here too (docs/python-api.md); each layer's config comes from its plugin
+(`blockzoo_attention.AttentionConfig`, `blockzoo_mamba_2.Mamba2Config`, `blockzoo_mlp.DenseMLPConfig`, ...).
 """
 
 import importlib
@@ -11,9 +13,32 @@ from blockzoo.plugins import hookimpl
 
 __version__ = "0.1.0"
 
-_API = {"build": "blockzoo.model.factory", "load": "blockzoo.model.factory", "save": "blockzoo.model.factory"}
+_API = {
+    "build": "blockzoo.model.factory",
+    "load": "blockzoo.model.factory",
+    "save": "blockzoo.model.factory",
+    "Trainer": "blockzoo.training.trainer",
+    "RunConfig": "blockzoo.run_config",
+    "ModelConfig": "blockzoo.model.config",
+    "EmbeddingsConfig": "blockzoo.model.config",
+    "HeadConfig": "blockzoo.model.config",
+    "DecoderBlockConfig": "blockzoo.model.config",
+    "ParallelBlockConfig": "blockzoo.model.config",
+    "FixedBlockSequenceConfig": "blockzoo.model.config",
+    "PatternBlockSequenceConfig": "blockzoo.model.config",
+    "RMSNormalizationConfig": "blockzoo.layers.config",
+    "LayerNormalizationConfig": "blockzoo.layers.config",
+    "DistributedConfig": "blockzoo.distributed.config",
+    "TrainingConfig": "blockzoo.training.config",
+    "AdamWConfig": "blockzoo.training.config",
+    "ScheduleConfig": "blockzoo.training.config",
+    "EvaluationConfig": "blockzoo.training.config",
+    "EmbeddedDatasetConfig": "blockzoo.data.config",
+    "MemmapDatasetConfig": "blockzoo.data.config",
+    "RandomDatasetConfig": "blockzoo.data.config",
+}
 
-__all__ = ["__version__", "build", "hookimpl", "load", "save"]
+__all__ = ["__version__", "hookimpl", *_API]
 
 
 def __getattr__(name: str) -> Any:
