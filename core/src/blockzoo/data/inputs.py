@@ -110,6 +110,8 @@ def _expand(path: Path, format: str, *, explicit: bool) -> list[InputFile]:
             raise DatasetError(f"{path} holds several splits saved by `datasets`; give one of them ({splits})")
         if any((path / marker).is_file() for marker in DATASETS_MARKERS):
             if format not in ("auto", "datasets"):
+                if not explicit:
+                    return []  # found while walking a directory for files of another format
                 raise DatasetError(f"{path} is a directory saved by `datasets`, not --format {format} input")
             return [_datasets_directory(path)]
         if format == "datasets":
