@@ -288,3 +288,13 @@ def test_sources_of_different_tokenizers_or_vocabularies_are_refused_naming_both
     }
     with pytest.raises(DatasetError, match="'r' has no tokenizer, 50 token ids, 's' has no tokenizer, 60 token ids"):
         build_dataset(blend(randoms), seed=0)
+
+
+def test_validation_sets_without_an_evaluation_interval_are_refused_at_the_field():
+    from blockzoo.run_config import RunConfig
+
+    evaluation = {"datasets": {"web": {"type": "embedded"}}}
+    with pytest.raises(ConfigError) as caught:
+        config_module.structure({"data": {"type": "embedded"}, "training": {"evaluation": evaluation}}, RunConfig)
+    ((where, error),) = caught.value.errors
+    assert where == "training.evaluation.datasets" and "training.evaluation.interval" in error

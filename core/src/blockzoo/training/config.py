@@ -152,6 +152,11 @@ class TrainingConfig(Config):
 
     def __attrs_post_init__(self) -> None:
         check(self.export_format is not None or self.export_dir is None, "export_dir", "needs an export_format")
+        check(
+            self.evaluation.interval is not None or not self.evaluation.datasets,
+            "evaluation.datasets",
+            "validation sets are evaluated every training.evaluation.interval steps, which is null: set it",
+        )
         if self.export_format is not None:
             from blockzoo.conversion import ConversionError, get_format
 
