@@ -60,3 +60,14 @@ def test_building_a_model_larger_than_the_memory_names_the_config_as_train_does(
     ((path, message),) = caught.value.errors
     assert path == "model"
     assert "its parameters alone take 488.3 GiB on this rank, more than this machine's cpu memory" in message
+
+
+@pytest.mark.parametrize("kind", ["mixer", "mlp"])
+def test_a_layer_base_class_guessed_for_a_layer_names_the_types_to_build(kind):
+    from blockzoo.api import MixerConfig, MLPConfig
+
+    base = {"mixer": MixerConfig, "mlp": MLPConfig}[kind]
+    with pytest.raises(TypeError) as caught:
+        base()
+    assert f"{base.__name__} is the base class of the configs of every {kind} type" in str(caught.value)
+    assert f"none: blockzoo.layers.config.No{'Mixer' if kind == 'mixer' else 'MLP'}Config" in str(caught.value)

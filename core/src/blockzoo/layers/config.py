@@ -205,6 +205,21 @@ ALL_CAPABILITIES = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENC
 class _LayerConfig(PolymorphicConfig):
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
+    def __attrs_pre_init__(self) -> None:
+        if type(self) in (MixerConfig, MLPConfig):  # a base class, guessed for a layer's config
+            kind = type(self).kind
+            from blockzoo.plugins import get_registry
+
+            registry = get_registry(strict=False)
+            types = ", ".join(
+                f"{entry.name}: {entry.config_class.__module__}.{entry.config_class.__name__}"
+                for entry in registry.entries(kind)
+            )
+            raise TypeError(
+                f"{type(self).__name__} is the base class of the configs of every {kind} type, not one to configure: "
+                f"build the config of a {kind} type (installed: {types or 'none'})"
+            )
+
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
         """Raise `ConfigFieldError(field, message)` if this layer cannot be split between `tensor_parallel` ranks
         (e.g. a dimension they do not divide), so the run is refused before anything is built."""
