@@ -7,11 +7,13 @@ assembled from are here too (docs/python-api.md); each layer's config comes from
 """
 
 import importlib
+import importlib.metadata
 from typing import Any
 
 from blockzoo.plugins import hookimpl
 
-__version__ = "0.1.0"
+# The installed distribution's version: core/pyproject.toml is its one source.
+__version__ = importlib.metadata.version("blockzoo")
 
 _API = {
     "build": "blockzoo.model.factory",

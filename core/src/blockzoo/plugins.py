@@ -489,9 +489,9 @@ def _api_compatible(version: Any) -> bool:
 
 
 def _core_version() -> str:
-    from blockzoo import __version__
-
-    return __version__
+    """The installed core's version, from its distribution's metadata (what pip resolved plugins' requirements
+    against)."""
+    return importlib.metadata.version(PROJECT)
 
 
 def _requirement_problem(distribution: importlib.metadata.Distribution) -> str | None:

@@ -2,6 +2,8 @@
 
 Its config classes are exported here."""
 
+import importlib.metadata
+
 from blockzoo_attention.config import (
     AttentionConfig,
     DefaultRotaryConfig,
@@ -11,7 +13,8 @@ from blockzoo_attention.config import (
     YarnRotaryConfig,
 )
 
-__version__ = "0.1.0"
+# The installed distribution's version: pyproject.toml is its one source.
+__version__ = importlib.metadata.version("blockzoo-attention")
 
 __all__ = [
     "AttentionConfig",

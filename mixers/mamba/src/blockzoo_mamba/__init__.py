@@ -2,8 +2,11 @@
 
 Its config classes are exported here."""
 
+import importlib.metadata
+
 from blockzoo_mamba.config import MambaConfig
 
-__version__ = "0.1.0"
+# The installed distribution's version: pyproject.toml is its one source.
+__version__ = importlib.metadata.version("blockzoo-mamba")
 
 __all__ = ["MambaConfig", "__version__"]
