@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockzoo.api import TrackerConfig, configclass, field
+from blockzoo.api import TrackerConfig, at_least, configclass, field
 
 
 @configclass
@@ -17,3 +17,9 @@ class MLflowTrackerConfig(TrackerConfig):
     )
     experiment: str = field("blockzoo", doc="The experiment the run belongs to (made if it does not exist).")
     run_name: str | None = field(None, doc="The MLflow run's name; None: the output directory's name.")
+    flush_seconds: float = field(
+        5.0,
+        doc="Figures are sent in batches, at most this long after they were logged (and at the run's end): a call per "
+        "logged step costs milliseconds of the training process's CPU. 0: every logged step at once.",
+        validator=at_least(0),
+    )

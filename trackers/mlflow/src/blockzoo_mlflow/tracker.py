@@ -12,6 +12,7 @@ from blockzoo.api import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_
 STATUSES = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 PARAMS_PER_CALL = 100  # MLflow's limit of parameters in one log_batch
 PARAM_LENGTH = 6000  # MLflow's limit of a parameter's value
+METRICS_PER_CALL = 1000  # MLflow's limit of metrics in one log_batch
 
 
 class MLflowTracker(Tracker):
@@ -28,6 +29,8 @@ class MLflowTracker(Tracker):
         if self.run_id is None:
             self.run_id = self._new_run(run)
         self.last_step = max(self.record.last_step, self._last_logged_step())
+        self.pending: list[Any] = []  # metrics not sent yet (see `log`)
+        self.sent_at = time.monotonic()
 
     def _new_run(self, run: TrackerRun) -> str:
         from mlflow.entities import Param
@@ -71,12 +74,22 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(name, float(value), now, step) for name, value in scalar_figures(entry).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        self.pending += [Metric(name, float(value), now, step) for name, value in scalar_figures(entry).items()]
         self.last_step = step
-        self.record.update(last_step=step)
+        # One call per step costs several ms of this process's CPU (a database transaction each): the figures are
+        # sent in batches, at most `flush_seconds` after they were logged, and at the end.
+        if time.monotonic() - self.sent_at >= self.config.flush_seconds:
+            self._send()
+
+    def _send(self) -> None:
+        for start in range(0, len(self.pending), METRICS_PER_CALL):
+            self.client.log_batch(self.run_id, metrics=self.pending[start : start + METRICS_PER_CALL])
+        if self.pending:
+            self.record.update(last_step=self.pending[-1].step)
+        self.pending, self.sent_at = [], time.monotonic()
 
     def finish(self, status: RunStatus) -> None:
+        self._send()
         if status.message:
             self.client.set_tag(self.run_id, "blockzoo.status", status.message[:PARAM_LENGTH])
         self.client.set_terminated(self.run_id, STATUSES[status.state])
