@@ -3,6 +3,7 @@ dimension in `blockzoo config --processes`, and `blockzoo generate` on checkpoin
 (a Llama export converted back; a run whose plugin is gone) ending in one right message, exit 2."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import yaml
 import blockzoo
 
 ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
 USAGE_ERROR = 2
 TINY = {
     "model": {
@@ -173,3 +175,15 @@ def test_a_section_read_as_the_default_type_says_so(tmp_path):
         "model.decoder.blocks: unknown key; did you mean 'block'?",
         "(no `type` given: the default block_sequence type 'fixed' was assumed)",
     )
+
+
+def test_the_readme_prepare_recipe_trains_the_demo_as_written(tmp_path):
+    recipe = re.search(r"then (data: \{type: memmap,.*?\})", " ".join(README.read_text().split()).replace("# ", ""))
+    data = yaml.safe_load(recipe.group(1).replace("data/tokens", str(tmp_path / "tokens")))["data"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "Story {i}: {"once upon a time " * 40}"}}\n' for i in range(400)))
+    assert blockzoo_command("prepare", corpus, "--output", tmp_path / "tokens").returncode == 0
+    overrides = [f"data={data}", "training.train_iters=1", f"training.output_dir={tmp_path / 'run'}"]
+    result = blockzoo_command("train", ROOT / "examples" / "demo.yaml", *overrides)
+    assert result.returncode == 0, result.stderr
+    assert "evaluation at step 1: loss" in result.stdout
