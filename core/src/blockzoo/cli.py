@@ -80,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--verbose", action="store_true", help="the traceback of each plugin that failed to load")
     plugins.set_defaults(run=_plugins)
 
+    init = commands.add_parser("init", help="write a run config to start from (an installed example)")
+    init.add_argument("name", metavar="EXAMPLE", nargs="?", help="which one (default: demo; --list names them)")
+    init.add_argument("-o", "--output", help="the YAML file to write (default: EXAMPLE.yaml here)")
+    init.add_argument("--force", action="store_true", help="replace --output if it exists")
+    init.add_argument("--list", action="store_true", help="list what can be written, and write nothing")
+    init.set_defaults(run=_init)
+
     train = commands.add_parser("train", help="train a model (one process, or every rank under torchrun)")
     # Optional for argparse, required by _train: argparse would name the optional overrides as required too.
     train.add_argument("path", metavar="CONFIG", nargs="?", help="a YAML run config")
@@ -179,6 +186,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# blockzoo init
+
+
+def _init(arguments: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from blockzoo.starters import DEFAULT, starters, write
+
+    if arguments.list:
+        for starter in starters().values():
+            print(f"{starter.name:<16} {starter.description}")
+        return 0
+    name = arguments.name or DEFAULT
+    output = Path(arguments.output or f"{name}.yaml")
+    write(name, output, force=arguments.force)
+    print(
+        f"blockzoo: wrote {output} (the {name} example); check it: blockzoo config {output}; train it: "
+        f"blockzoo train {output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # blockzoo train, blockzoo generate
 
 
@@ -187,7 +218,10 @@ def _train(arguments: argparse.Namespace) -> int:
     from blockzoo.run_config import RunConfig
 
     if arguments.path is None:
-        raise UsageError("blockzoo train needs a run config: blockzoo train CONFIG [KEY=VALUE ...]")
+        raise UsageError(
+            "blockzoo train needs a run config: blockzoo train CONFIG [KEY=VALUE ...]. To start from an example: "
+            "`blockzoo init` writes demo.yaml (`blockzoo init --list`: the others), then `blockzoo train demo.yaml`"
+        )
     run_config = load(RunConfig, arguments.path, arguments.overrides)  # before importing torch: bad configs fail fast
     from blockzoo.distributed.runtime import Distributed
     from blockzoo.model.size import check_fits
