@@ -2,11 +2,15 @@
 metrics.jsonl at its step, a resumed run's steps superseding those a killed process had logged, a failure that does
 not stop the run."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from blockzoo.config import to_dict
 from blockzoo.testing.tracking import (
     DETERMINISTIC,
     logged_figures,
@@ -79,3 +83,16 @@ def test_a_log_dir_that_cannot_be_made_is_reported_once_and_the_run_trains_on(tm
     failures = [message for message in messages if "tracker 'tb' failed" in message]
     assert len(failures) == 1 and "Error" in failures[0], messages
     assert sorted(logged_figures(tmp_path / "run")) == [1, 2, 3]  # jsonl, the other tracker, got every step
+
+
+def test_with_trackers_required_blockzoo_train_stops_with_one_line_naming_the_tracker(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    config = tiny_run_config(tmp_path / "run", "training.train_iters=2")
+    (tmp_path / "run.yaml").write_text(json.dumps(to_dict(config)))  # JSON is YAML
+    tracker = f"training.trackers={{tb: {{type: tensorboard, log_dir: {tmp_path / 'file' / 'tb'}}}}}"
+    command = ["train", str(tmp_path / "run.yaml"), tracker, "training.trackers_required=true"]
+    result = subprocess.run([sys.executable, "-m", "blockzoo", *command], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.startswith("blockzoo: error: tracker 'tb' failed: ") and "Traceback" not in result.stderr
+    assert result.stderr.rstrip().endswith("(training.trackers_required is set)")
+    assert not (tmp_path / "run" / "step_1").exists()  # stopped before the first step

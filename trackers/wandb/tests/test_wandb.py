@@ -3,6 +3,7 @@ sync` uploads them): every figure of metrics.jsonl at its step, the config, the 
 same W&B run with each step once over its processes' files; a failure that does not stop the run. Never online."""
 
 import json
+import sys
 from pathlib import Path
 
 from wandb_files import history, run_files, run_info
@@ -63,3 +64,13 @@ def test_a_dir_that_cannot_be_made_is_reported_once_and_the_run_trains_on(tmp_pa
     failures = [message for message in messages if "tracker 'wb' failed" in message]
     assert len(failures) == 1, messages
     assert sorted(logged_figures(tmp_path / "run")) == [1, 2, 3]
+
+
+def test_wandb_missing_is_a_tracker_failure_that_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as where it is not installed
+    messages = train_tiny(tiny_run_config(tmp_path, TRACKER, "training.train_iters=2"))
+    assert [message for message in messages if message.startswith("tracker ")] == [
+        "tracker 'wb' failed: ImportError: the wandb tracker needs wandb: pip install wandb (import of wandb halted; "
+        "None in sys.modules); the run trains on without it (training.trackers_required: true stops it instead)"
+    ]
+    assert sorted(logged_figures(tmp_path)) == [1, 2]
