@@ -9,10 +9,13 @@ fails it with the kit's defaults, and the right one passes.
   checked by hypothesis against an independent reading of the lengths; the fixed layout the kit used before is shown
   to let the square-root decay through.
 - sequence_tensor_parallel: a replicated input scale made without `token_sharded_input=True` (`kittp`).
+- a plugin declaring plugin API 1.0 while claiming sequence_data_parallel (1.1) fails at registration, in strict mode
+  and in the kit, with the capability and the version it needs.
 - tensor_parallel, generation_cache, padded batches: test_conformance_kit.py's `false_tensor_parallel`, `forgetful`
   and `length_bound` fail the default checks there.
 """
 
+import re
 import sys
 from itertools import accumulate
 from pathlib import Path
@@ -21,7 +24,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockzoo.api import MixerConfig
+from blockzoo.api import MixerConfig, PluginInfo
+from blockzoo.errors import PluginError
+from blockzoo.plugins import capability_api_problem, get_registry
 from blockzoo.testing import ConformanceError, MixerConformance, check_sequence_data_parallel
 from blockzoo.testing.layouts import layout_problems, straddling_lengths
 
@@ -168,3 +173,39 @@ def test_the_default_check_fails_a_gradient_not_summed_over_token_shards(kit_plu
     )
     assert "tensor_parallel=2: the" not in message
     assert "create_parameter(..., token_sharded_input=True or partial_gradient=True)" in message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A capability newer than the plugin API the plugin declares
+
+OLD_API = (
+    "declares plugin API 1.0 (plugin_info's api_version) but claims capabilities a 1.0 core does not have: "
+    "sequence_data_parallel (plugin API 1.1; claimed by {claimers}). Declare PluginInfo(api_version=(1, 1), ...)"
+)
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "claimers"),
+    [(("sequence_data_parallel",), "plugin_info, kitold.decaying_sum"), ((), "kitold.decaying_sum")],
+    ids=["in-plugin-info-and-config", "on-the-config-only"],
+)
+def test_a_capability_newer_than_the_declared_api_fails_the_plugin(blockzoo_registry, capabilities, claimers):
+    kit_layers.register_written_for_old_api(capabilities)
+    record = blockzoo_registry.plugins["kitold"]
+    assert record.status == "failed"
+    assert record.error.startswith(OLD_API.format(claimers=claimers))
+    assert not record.types  # none of its types is registered
+    with pytest.raises(PluginError, match=re.escape("plugin 'kitold' failed to load: declares plugin API 1.0")):
+        get_registry(strict=True)
+
+
+def test_the_kit_names_the_capability_and_the_api_it_needs(blockzoo_registry):
+    kit_layers.register_written_for_old_api()
+    with pytest.raises(ConformanceError, match=re.escape(OLD_API.format(claimers="plugin_info, kitold.decaying_sum"))):
+        kit("kitold.decaying_sum").test_discovered_through_its_entry_point()
+
+
+def test_a_plugin_declaring_the_api_of_its_capabilities_loads(blockzoo_registry):
+    kit_layers.register()
+    assert blockzoo_registry.plugins["kitrec"].status == "loaded"
+    assert capability_api_problem(PluginInfo(api_version=(1, 0), capabilities=("tensor_parallel",))) is None

@@ -9,6 +9,9 @@ are right in one process, one slice after another, and wrong only in what one ra
 - `kitrec.drops_received_state`: each rank starts its slice from a zero state (it joins the exchange, uses none of it);
 - `kitrec.own_state_as_carry`: the carry to the next step is this rank's own final state, not the group's last.
 
+`kitold.decaying_sum` is the right recurrence from a plugin declaring plugin API 1.0 (`register_written_for_old_api`),
+which has no sequence-data parallelism: refused at registration.
+
 `kittp.input_scale`: a per-channel input scale before a tensor-parallel projection, declaring tensor_parallel and
 sequence_tensor_parallel; `kittp.scale_gradient_not_summed` makes the scale without `token_sharded_input=True`, so
 under sequence-tensor parallelism its gradient covers only this rank's tokens.
@@ -214,13 +217,19 @@ TENSOR = {
 }
 
 
+@configclass
+class WrittenForOldAPIConfig(DecayingSumConfig):
+    """The right recurrence, registered by a plugin that says it was written for plugin API 1.0."""
+
+
 class _Plugin:
-    def __init__(self, prefix, types, capabilities):
-        self.prefix, self.types, self.capabilities = prefix, types, capabilities
+    def __init__(self, prefix, types, capabilities, api_version=(1, 1)):
+        self.prefix, self.types, self.capabilities, self.api_version = prefix, types, capabilities, api_version
 
     @hookimpl
     def plugin_info(self):
-        return PluginInfo(capabilities=tuple(sorted(self.capabilities)), description="the kit's test layers")
+        capabilities = tuple(sorted(self.capabilities))
+        return PluginInfo(api_version=self.api_version, capabilities=capabilities, description="the kit's test layers")
 
     @hookimpl
     def register_mixers(self, register):
@@ -232,3 +241,10 @@ def register() -> None:
     """Register the layers as plugins `kitrec` and `kittp` (in-process: they are not installed)."""
     register_plugin(_Plugin("kitrec", RECURRENT, DecayingSumConfig.capabilities), "kitrec")
     register_plugin(_Plugin("kittp", TENSOR, InputScaleConfig.capabilities), "kittp")
+
+
+def register_written_for_old_api(capabilities=(SEQUENCE_DATA_PARALLEL,)) -> None:
+    """Register `kitold.decaying_sum` (sequence_data_parallel on its config), from a plugin declaring plugin API 1.0
+    and `capabilities` in its plugin_info."""
+    types = {"decaying_sum": (WrittenForOldAPIConfig, "DecayingSum")}
+    register_plugin(_Plugin("kitold", types, capabilities, api_version=(1, 0)), "kitold")

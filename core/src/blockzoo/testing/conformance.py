@@ -62,6 +62,7 @@ from blockzoo.conversion import (
     unclaimed_fields,
 )
 from blockzoo.distributed.runtime import Distributed
+from blockzoo.errors import PluginError
 from blockzoo.layers.base import MLP, Batch, Layer, Mixer
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MixerConfig, MLPConfig
 from blockzoo.layers.parameter import materialize
@@ -533,7 +534,7 @@ class LayerConformance:
     def _structure(self, data: Mapping[str, Any], what: str) -> Config:
         try:
             return structure(data, self.kind_config)
-        except ConfigError as error:
+        except (ConfigError, PluginError) as error:  # PluginError: strict mode, a plugin failed to load
             _fail(f"{what} does not structure: {error}")
 
     def _config(self) -> Config:
