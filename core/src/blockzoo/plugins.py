@@ -34,6 +34,9 @@ from blockzoo.errors import PluginError
 PROJECT = "blockzoo"
 ENTRY_POINT_GROUP = "blockzoo.plugins"
 PLUGIN_API = (1, 1)
+# The plugin API that brought each capability: a plugin written for an older one cannot implement it (1.1 brought
+# Mixer.forward_slice, SequenceData and the slice exchanges). Capabilities not listed are 1.0's.
+CAPABILITY_API = {"sequence_data_parallel": (1, 1)}
 CORE_PLUGIN = "blockzoo"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -364,6 +367,9 @@ class Registry:
         except Exception as error:  # noqa: BLE001
             self._fail(module, record, "failed", error)
             return
+        if record.info is not None and (problem := capability_api_problem(record.info, staged)):
+            self._fail(module, record, "failed", problem)
+            return
         for entry in staged:
             self._commit(entry)
         self.converters.extend(converters)
@@ -476,6 +482,33 @@ def _check_type_name(record: PluginRecord, name: str) -> None:
         raise TypeError(
             f"type name {name!r} must be '{record.name}.<name>' (third-party types carry their plugin's name)"
         )
+
+
+def capability_api_problem(info: PluginInfo, entries: Iterable[TypeEntry] = ()) -> str | None:
+    """Why a plugin's declared plugin API cannot hold the capabilities it claims (in `plugin_info` or on the config
+    classes of its types, `entries`), or None."""
+    claimed: dict[str, list[str]] = {name: [] for name in info.capabilities}
+    for entry in entries:
+        for name in sorted(getattr(entry.config_class, "capabilities", ())):
+            claimed.setdefault(name, []).append(entry.name)
+    newer = [
+        (name, CAPABILITY_API[name]) for name in sorted(claimed) if CAPABILITY_API.get(name, (1, 0)) > info.api_version
+    ]
+    if not newer:
+        return None
+    declared = ".".join(map(str, info.api_version))
+    needed = max(version for _, version in newer)
+    claims = "; ".join(
+        f"{name} (plugin API {'.'.join(map(str, version))}; claimed by "
+        + ", ".join([*(["plugin_info"] if name in info.capabilities else []), *claimed[name]])
+        + ")"
+        for name, version in newer
+    )
+    return (
+        f"declares plugin API {declared} (plugin_info's api_version) but claims capabilities a {declared} core does "
+        f"not have: {claims}. Declare PluginInfo(api_version={needed!r}, ...) (and a blockzoo requirement that "
+        "provides it), or drop the capability"
+    )
 
 
 def _api_compatible(version: Any) -> bool:
