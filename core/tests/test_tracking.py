@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import types
 
 import pytest
@@ -28,7 +27,7 @@ class ProbeTrackerConfig(TrackerConfig):
     """A tracker of this test: records every call, and fails, hangs or sleeps where told."""
 
     fail_in: str | None = field(None, doc="start, log or finish: raise there.")
-    log_seconds: float = field(0.0, doc="Sleep this long in each log.")
+    block_in_log: bool = field(False, doc="Wait in each log until the test releases it.")
     hang_in_finish: bool = field(False, doc="Never return from finish.")
 
 
@@ -43,8 +42,9 @@ class ProbeTracker(Tracker):
         self._maybe_fail("start")
 
     def log(self, step, entry):
-        time.sleep(self.config.log_seconds)
         CALLS[self.name].append(("log", step, dict(entry)))
+        if self.config.block_in_log:
+            RELEASE.wait()
         self._maybe_fail("log")
 
     def finish(self, status):
@@ -196,19 +196,38 @@ def test_a_tracker_that_cannot_be_built_is_a_failure_like_any_other(tmp_path, bl
     ]
 
 
-def test_a_slow_tracker_does_not_slow_the_steps(tmp_path):
-    started = time.perf_counter()
-    train_tiny(tiny_run_config(tmp_path, probes(("slow", ", log_seconds: 0.5")), "training.train_iters=4"))
-    # the steps' own clock: 4 steps of a tiny model, far less than the 2 s the tracker slept
-    assert read_metrics(tmp_path / METRICS_FILE)[-1]["seconds"] < 1.0
-    assert len(calls("slow", "log")) == 4 and time.perf_counter() - started >= 2.0  # the end waited for it
+def release_at_the_end(messages: list[str]):
+    """A run's log that releases the blocked trackers once the run has saved its last checkpoint (step 8)."""
+
+    def log(message: str) -> None:
+        messages.append(message)
+        if message.startswith("saved checkpoint") and message.endswith("step_8"):
+            messages.append(f"while the loop ran, the tracker had: {len(calls('slow', 'log'))} logs")
+            RELEASE.set()
+
+    return log
+
+
+def test_a_blocked_tracker_does_not_hold_the_steps(tmp_path):
+    messages: list[str] = []
+    config = tiny_run_config(tmp_path, probes(("slow", ", block_in_log: true")))
+    train_tiny(config, log=release_at_the_end(messages))
+    # every step trained and checkpointed while the tracker sat in its first log call
+    assert "while the loop ran, the tracker had: 1 logs" in messages
+    assert [step for _, step, _ in calls("slow", "log")] == list(range(1, 9)) and len(calls("slow", "finish")) == 1
+    assert not [message for message in messages if message.startswith("tracker ")]
 
 
 def test_a_tracker_that_falls_behind_loses_entries_said_once(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "QUEUE_SIZE", 2)
-    messages = train_tiny(tiny_run_config(tmp_path, probes(("slow", ", log_seconds: 0.3")), "training.train_iters=8"))
+    messages: list[str] = []
+    train_tiny(tiny_run_config(tmp_path, probes(("slow", ", block_in_log: true"))), log=release_at_the_end(messages))
     reports = [message for message in messages if message.startswith("tracker ")]
-    assert len(reports) == 1 and "tracker 'slow' failed: fell behind by 2 logged steps" in reports[0]
+    assert reports == [
+        "tracker 'slow' failed: fell behind by 2 logged steps (entries dropped); the run trains on without it "
+        "(training.trackers_required: true stops it instead)"
+    ]
+    assert [step for _, step, _ in calls("slow", "log")] == [1]  # then failed: its queued calls are not made
     assert sorted(logged_figures(tmp_path)) == list(range(1, 9))
 
 

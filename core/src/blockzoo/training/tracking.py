@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -219,14 +220,17 @@ class Trackers:
                 worker.submit(functools.partial(worker.tracker.log, step, entry))
         self.check()
 
-    def finish(self, status: RunStatus) -> None:
-        """Every tracker writes what it holds and finishes (each waited for up to `FINISH_SECONDS`)."""
+    def finish(self, status: RunStatus, seconds: float | None = None) -> None:
+        """Every tracker writes what it holds and finishes, all within `seconds` (default `FINISH_SECONDS`); one still
+        busy then is left on its daemon thread (a failure)."""
+        seconds = FINISH_SECONDS if seconds is None else seconds
+        deadline = time.monotonic() + seconds
         for worker in self._workers:
             if worker.tracker is not None:
                 worker.submit(functools.partial(worker.tracker.finish, status))
         for worker in self._workers:
-            if not worker.wait(FINISH_SECONDS) and worker.failure is None:
-                worker.failure = f"did not finish within {FINISH_SECONDS:g} s (left running in the background)"
+            if not worker.wait(max(0.0, deadline - time.monotonic())) and worker.failure is None:
+                worker.failure = f"did not finish within {seconds:g} s (left running in the background)"
             worker.stop()
         self.check()
 

@@ -91,6 +91,8 @@ from blockzoo.training.step import PlacedMicroBatch, StepData, StepFigures, plac
 from blockzoo.training.tracking import RunStatus, TrackerRun, Trackers, TrackingError
 from blockzoo.training.tracking_config import active_trackers
 
+STOPPED_TRACKER_SECONDS = 10.0  # a second stop signal asks to stop at once: trackers get this long to finish
+
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss, ...); the last checkpoint is intact."""
@@ -258,7 +260,7 @@ class Trainer:
                 kept = f"the last checkpoint ({last}) is intact" if last else "no checkpoint was written"
                 name = signal.Signals(stopped.signal_number).name
                 message = f"stopped at once by a second {name}; {kept}"
-                self._finish_trackers("interrupted", message, failing=True)
+                self._finish_trackers("interrupted", message, failing=True, seconds=STOPPED_TRACKER_SECONDS)
                 raise Stopped(stopped.signal_number, message) from None
             except TrackingError as error:  # a required tracker failed
                 self._finish_trackers("failed", str(error), failing=True)
@@ -285,13 +287,16 @@ class Trainer:
             active_trackers(self.config.trackers), run_for, required=self.config.trackers_required, report=self.log
         )
 
-    def _finish_trackers(self, state: str, message: str | None = None, *, failing: bool = False) -> None:
-        """Tell the trackers how the run ended. While the run fails already, a tracker's failure is only reported."""
+    def _finish_trackers(
+        self, state: str, message: str | None = None, *, failing: bool = False, seconds: float | None = None
+    ) -> None:
+        """Tell the trackers how the run ended (waiting for them up to `seconds`, default `tracking.FINISH_SECONDS`).
+        While the run fails already, a tracker's failure is only reported."""
         trackers, self._trackers = self._trackers, None
         if trackers is None:
             return
         try:
-            trackers.finish(RunStatus(state=state, step=self.step, message=message))
+            trackers.finish(RunStatus(state=state, step=self.step, message=message), seconds)
         except TrackingError as error:
             if not failing:
                 raise TrainingError(str(error)) from None
