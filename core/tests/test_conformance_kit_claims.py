@@ -209,3 +209,16 @@ def test_a_plugin_declaring_the_api_of_its_capabilities_loads(blockzoo_registry)
     kit_layers.register()
     assert blockzoo_registry.plugins["kitrec"].status == "loaded"
     assert capability_api_problem(PluginInfo(api_version=(1, 0), capabilities=("tensor_parallel",))) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Module transforms: copy, cast, move, state_dict
+
+
+def test_a_layer_survives_copy_cast_move_and_state_dict(kit_plugins):
+    kit("kitrec.decaying_sum").test_survives_module_transforms()
+
+
+def test_a_layer_hiding_module_apply_fails_the_transforms_check(kit_plugins):
+    with pytest.raises(ConformanceError, match=r"^\.to\(torch\.float64\) raised TypeError: .*a helper named `_apply`"):
+        kit("kitrec.hides_apply").test_survives_module_transforms()

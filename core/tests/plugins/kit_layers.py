@@ -9,6 +9,8 @@ are right in one process, one slice after another, and wrong only in what one ra
 - `kitrec.drops_received_state`: each rank starts its slice from a zero state (it joins the exchange, uses none of it);
 - `kitrec.own_state_as_carry`: the carry to the next step is this rank's own final state, not the group's last.
 
+`kitrec.hides_apply` names a static helper `_apply`, hiding torch's: `.to(...)` raises.
+
 `kitold.decaying_sum` is the right recurrence from a plugin declaring plugin API 1.0 (`register_written_for_old_api`),
 which has no sequence-data parallelism: refused at registration.
 
@@ -154,6 +156,20 @@ class OwnStateAsCarry(DecayingSum):
         return initial, depend_on(own.to(carry.dtype), carry)
 
 
+@configclass
+class HidesApplyConfig(DecayingSumConfig):
+    """Names a static helper `_apply`, hiding nn.Module._apply (what Mamba 1 once did)."""
+
+
+class HidesApply(DecayingSum):
+    def forward(self, hidden, batch, state=None):
+        return self._apply(super().forward, hidden, batch)
+
+    @staticmethod
+    def _apply(function, *arguments):
+        return function(*arguments)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A replicated parameter on token-sharded inputs
 
@@ -210,6 +226,7 @@ RECURRENT = {
     "sqrt_decay": (SqrtDecayConfig, "SqrtDecay"),
     "drops_received_state": (DropsReceivedStateConfig, "DropsReceivedState"),
     "own_state_as_carry": (OwnStateAsCarryConfig, "OwnStateAsCarry"),
+    "hides_apply": (HidesApplyConfig, "HidesApply"),
 }
 TENSOR = {
     "input_scale": (InputScaleConfig, "InputScale"),

@@ -31,6 +31,7 @@ it, compare it) and `blockzoo.testing.parallel` (`check_tensor_parallel` on many
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import math
 import os
@@ -326,6 +327,39 @@ class LayerConformance:
                 direct(hidden, Batch(self.lengths)),
                 "the output of the materialized layer",
                 "keep no state outside parameters created by the factory",
+            )
+
+    def test_survives_module_transforms(self) -> None:
+        """What torch users do to any module: copy it, cast it, move it, save and load its state."""
+        layer = self._build(self._config())
+        hidden, _ = self._inputs(sum(self.lengths))
+        with torch.no_grad():
+            expected = layer(hidden, Batch(self.lengths))
+        copied = _transformed("copy.deepcopy(layer)", copy.deepcopy, layer)
+        for dtype in (torch.float64, torch.float32):  # fp32 -> fp64 -> fp32 is exact
+            copied = _transformed(f".to({dtype})", lambda module, dtype=dtype: module.to(dtype), copied)
+            if wrong := [name for name, p in copied.named_parameters() if p.is_floating_point() and p.dtype != dtype]:
+                _fail(f"after .to({dtype}), parameters {', '.join(wrong)} are not {dtype}")
+        with torch.no_grad():
+            self._assert_close(
+                copied(hidden, Batch(self.lengths)),
+                expected,
+                "the output of the layer deep-copied and cast to fp64 and back",
+                "keep all state in parameters (a copy holds them; casts convert them)",
+            )
+        on_meta = _transformed('.to("meta")', lambda module: module.to("meta"), copied)
+        if left := [
+            name for name, tensor in [*on_meta.named_parameters(), *on_meta.named_buffers()] if not tensor.is_meta
+        ]:
+            _fail(f'after .to("meta"), {", ".join(left)} are not on the meta device: keep tensors as parameters')
+        other = self._build(self._config(), single_process(self.seed + 1))  # other initial weights
+        _transformed("load_state_dict(state_dict())", lambda module: module.load_state_dict(layer.state_dict()), other)
+        with torch.no_grad():
+            self._assert_close(
+                other(hidden, Batch(self.lengths)),
+                expected,
+                "the output of a second build loaded with the layer's state_dict",
+                "every value the forward uses must be in state_dict (a parameter)",
             )
 
     def test_packed_documents_equal_separate_runs(self) -> None:
@@ -743,6 +777,17 @@ class ConverterSectionConformance:
 
     def _distributed(self) -> Distributed:
         return single_process(self.seed)
+
+
+def _transformed(what: str, transform: typing.Callable[[Any], Any], module: Any) -> Any:
+    try:
+        return transform(module)
+    except Exception as error:  # noqa: BLE001
+        _fail(
+            f"{what} raised {type(error).__name__}: {error}. A layer must survive torch's module transforms: do not "
+            "override nn.Module's methods by accident (a helper named `_apply` hides the one that `.to(...)`, "
+            "`.cuda()` and `.double()` call), and keep no state that copying or moving cannot handle"
+        )
 
 
 def _value_at(config: Config, path: str) -> Any:

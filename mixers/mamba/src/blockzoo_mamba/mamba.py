@@ -221,22 +221,24 @@ class Mamba(Mixer):
         x, convolved = convolve(parts["x"])
         state_size = self.config.state_size
         dt, b, c = self.x_proj(x).split([self._dt_rank, state_size, state_size], dim=-1)
-        dt = self._apply(self.dt_norm, dt)
-        b_c = self._enter_tensor_region(torch.cat([self._apply(self.b_norm, b), self._apply(self.c_norm, c)], -1))
+        dt = self._normalized(self.dt_norm, dt)
+        b_c = self._enter_tensor_region(
+            torch.cat([self._normalized(self.b_norm, b), self._normalized(self.c_norm, c)], -1)
+        )
         return x, dt, b_c[:, None, :state_size], b_c[:, None, state_size:], convolved
 
     def _grouped_inputs(self, hidden: torch.Tensor, parts: dict, convolve: Callable):
         """x (convolved, repeated to every head), dt, B (repeated) and C [tokens, heads, state], what `convolve`
         returned beside x."""
-        dt = self._apply(self.dt_norm, self.dt_in_proj(hidden))
+        dt = self._normalized(self.dt_norm, self.dt_in_proj(hidden))
         if self.config.repeat_xb_before_convolution:
             x, convolved = convolve(self._repeat_heads(parts["x"]))
         else:
             x, convolved = convolve(parts["x"])
             x = self._repeat_heads(x)
         state_size = self.config.state_size
-        b = self._apply(self.b_norm, parts["b"].unflatten(-1, (-1, state_size)))
-        c = self._apply(self.c_norm, parts["c"].unflatten(-1, (-1, state_size)))
+        b = self._normalized(self.b_norm, parts["b"].unflatten(-1, (-1, state_size)))
+        c = self._normalized(self.c_norm, parts["c"].unflatten(-1, (-1, state_size)))
         return x, dt, b.repeat_interleave(self._repeats, dim=1), c, convolved
 
     def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +252,7 @@ class Mamba(Mixer):
         return copy_to_tensor_region(tensor, group)
 
     @staticmethod
-    def _apply(norm: nn.Module | None, tensor: torch.Tensor) -> torch.Tensor:
+    def _normalized(norm: nn.Module | None, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if norm is None else norm(tensor)
 
     # -- generation ----------------------------------------------------------------------------------------------------
