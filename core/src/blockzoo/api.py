@@ -70,6 +70,7 @@ from blockzoo.layers.config import (
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
 from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
+from blockzoo.presets import Preset
 from blockzoo.training.tracking import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_figures
 from blockzoo.training.tracking_config import TrackerConfig
 
@@ -137,6 +138,7 @@ __all__ = [
     "ParameterConfig",
     "PluginInfo",
     "PolymorphicConfig",
+    "Preset",
     "ResolvedParameter",
     "at_least",
     "check",

@@ -28,12 +28,13 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from blockzoo import presets
 from blockzoo.config import PolymorphicConfig, UnknownTypeError, set_type_registry
 from blockzoo.errors import PluginError
 
 PROJECT = "blockzoo"
 ENTRY_POINT_GROUP = "blockzoo.plugins"
-PLUGIN_API = (1, 1)
+PLUGIN_API = (1, 2)  # 1.2 brought register_presets (a plugin written for 1.0 or 1.1 loads unchanged)
 # The plugin API that brought each capability: a plugin written for an older one cannot implement it (1.1 brought
 # Mixer.forward_slice, SequenceData and the slice exchanges). Capabilities not listed are 1.0's.
 CAPABILITY_API = {"sequence_data_parallel": (1, 1)}
@@ -113,6 +114,12 @@ class HookSpecs:
         `blockzoo.api.Section` says how one of its config classes (fields and weights) is written in the format
         named `format` (e.g. Hugging Face `llama`); a converter plugin registers the format itself the same way,
         `register(name, checkpoint_format)` with a `blockzoo.api.CheckpointFormat`. See `blockzoo.conversion`."""
+
+    @hookspec
+    def register_presets(self, register: Callable) -> None:
+        """`register(name, preset)` for each named architecture the plugin ships, a `blockzoo.api.Preset` (plugin API
+        1.2; see `blockzoo.presets`). Names follow the type names' rule: plain for first-party plugins, else
+        `<plugin>.<name>`."""
 
     @hookspec
     def plugin_info(self) -> PluginInfo:
@@ -224,6 +231,8 @@ class Registry:
         self._types: dict[tuple[str, str], TypeEntry] = {}
         self._names: dict[type, str] = {}
         self._conflicts: dict[tuple[str, str], list[TypeEntry]] = {}
+        self.presets: dict[str, presets.PresetEntry] = {}
+        self.preset_conflicts: dict[str, list[presets.PresetEntry]] = {}
 
     # -- lookup ------------------------------------------------------------------------------------------------------
 
@@ -290,6 +299,11 @@ class Registry:
         """Every plugin that did not load and every conflicting type, one line each."""
         lines = [f"plugin {r.label} {_describe_status(r)}" for r in self.plugins.values() if r.status in _BAD]
         lines += [self._conflict_message(kind, name) for kind, name in self._conflicts]
+        lines += [
+            f"preset {name!r} is registered by both {' and '.join(entry.plugin.label for entry in entries)}: neither "
+            "is used"
+            for name, entries in self.preset_conflicts.items()
+        ]
         return lines
 
     def _conflict_message(self, kind: str, name: str) -> str:
@@ -354,6 +368,7 @@ class Registry:
             return
         staged: list[TypeEntry] = []
         converters: list[ConverterEntry] = []
+        staged_presets: list[presets.PresetEntry] = []
         try:
             for hook_name, kinds in REGISTER_HOOKS.items():
                 if (hook := _hook(module, hook_name)) is not None:
@@ -364,6 +379,8 @@ class Registry:
                         ConverterEntry(format=fmt, section=section, plugin=record)
                     )
                 )
+            if (hook := _hook(module, "register_presets")) is not None:
+                presets.stage(record, hook, staged_presets, _check_type_name)
         except Exception as error:  # noqa: BLE001
             self._fail(module, record, "failed", error)
             return
@@ -373,6 +390,7 @@ class Registry:
         for entry in staged:
             self._commit(entry)
         self.converters.extend(converters)
+        presets.commit(self.presets, self.preset_conflicts, staged_presets)
 
     def _stage(
         self,

@@ -18,3 +18,10 @@ def register_converters(register) -> None:
         register(checkpoint_format.name, checkpoint_format)
         for section in checkpoint_format.core_sections:
             register(checkpoint_format.name, section)
+
+
+@hookimpl
+def register_presets(register) -> None:
+    from blockzoo_huggingface.presets import register_presets as register_all  # torch-free
+
+    register_all(register)

@@ -108,6 +108,7 @@ def transformer_model(
             logits_multiplier,
             Ignored(ours=("embeddings.num_position_embeddings",), reason="used by learned position embeddings only"),
             Ignored(ours=("pretrained",), reason="where the initial weights came from, not the architecture"),
+            Ignored(ours=("preset",), reason="the named architecture the fields came from; they are written"),
             Ignored(
                 theirs=("max_position_embeddings", "initializer_range"),
                 reason="they do not change what the model computes",

@@ -210,12 +210,21 @@ class ModelConfig(Config):
         "model config, updated with the fields given beside this one, and its weights. Consumed when the model is "
         "built: the built model's config (and its checkpoints) has none.",
     )
+    preset: str | None = field(
+        None,
+        doc="Start from this named architecture (`blockzoo models` lists them: `qwen3_0_6b`, `falcon_h1_1_5b`, ...): "
+        "the fields given beside this one are merged into the preset's own config (`decoder: {num_blocks: 4}`).",
+    )
 
     @classmethod
     def complete_data(cls, data: Mapping[str, Any]) -> Mapping[str, Any]:
-        """With `pretrained`: the fields given merged into the checkpoint's own model config, so a partial section
-        (`decoder: {blocks: {attn: {mixer: {window_size: 512}}}}`) updates the checkpoint's types instead of being
-        read as the defaults. A checkpoint that cannot be read here is reported when the model is built."""
+        """With `preset`: the fields given merged into the preset's model config (its own types, so a partial
+        section updates them). With `pretrained`: the fields given merged into the checkpoint's own model config,
+        so a partial section (`decoder: {blocks: {attn: {mixer: {window_size: 512}}}}`) updates the checkpoint's
+        types instead of being read as the defaults. A checkpoint that cannot be read here is reported when the model
+        is built."""
+        if (preset := data.get("preset")) is not None:
+            data = _with_preset(preset, data)
         source = data.get("pretrained")
         if not isinstance(source, str):
             return data
@@ -228,9 +237,27 @@ class ModelConfig(Config):
         return merge({key: value for key, value in pretrained.items() if key != "pretrained"}, data)
 
     def __attrs_post_init__(self) -> None:
+        if self.preset is not None and self.pretrained is not None:
+            raise ConfigFieldError(
+                "preset", "give either a preset or a pretrained checkpoint (which has its own architecture), not both"
+            )
         if self.tied_embedding_weight and self.head.output_weight != ParameterConfig():
             raise ConfigFieldError(
                 "head.output_weight",
                 "has no effect with tied_embedding_weight: true (the output reuses embeddings.word_embeddings); "
                 "remove it or untie the weights",
             )
+
+
+def _with_preset(name: Any, data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` merged over the model config of preset `name` (an unknown or unavailable one: an error at `preset`)."""
+    from blockzoo.errors import UsageError
+    from blockzoo.presets import model_data
+
+    if not isinstance(name, str):
+        raise ConfigFieldError("preset", f"a preset name is a string, got {name!r}")
+    try:
+        preset = model_data(name)
+    except UsageError as error:
+        raise ConfigFieldError("preset", str(error)) from None
+    return merge(preset, data)

@@ -41,3 +41,10 @@ def register_converters(register) -> None:
     from blockzoo_mamba_2.huggingface import register_sections  # torch-free, like every hook's imports
 
     register_sections(register)
+
+
+@hookimpl
+def register_presets(register) -> None:
+    from blockzoo_mamba_2.presets import register_presets as register_all  # torch-free
+
+    register_all(register)

@@ -23,3 +23,10 @@ def register_converters(register) -> None:
     from blockzoo_moe.huggingface import register_sections  # torch-free, like every hook's imports
 
     register_sections(register)
+
+
+@hookimpl
+def register_presets(register) -> None:
+    from blockzoo_moe.presets import register_presets as register_all  # torch-free
+
+    register_all(register)

@@ -1,0 +1,369 @@
+"""The hybrid models shipped as presets (`blockzoo models`): Falcon-H1, Nemotron-H, Granite 4.0 H and Qwen3-Next.
+
+They live here, beside their Hugging Face formats, because each combines layers of several plugins (attention,
+Mamba 2 or Gated DeltaNet, dense MLP or MoE) and only the format ties them together: every preset is the
+architecture part of its published config.json, read through that format. Torch-free.
+"""
+
+from __future__ import annotations
+
+from blockzoo.api import Preset
+
+HUB = "https://huggingface.co/{}/blob/main/config.json"
+HF = "blockzoo-huggingface"
+DEFAULTS_TAKEN = (
+    "Initialization, learning-rate scales and weight decay are blockzoo's defaults (the config.json has only "
+    "initializer_range, not read)."
+)
+
+# -- Falcon-H1: attention and Mamba 2 side by side in every layer, then the MLP; µP multipliers throughout.
+
+_FALCON_H1 = {
+    "model_type": "falcon_h1",
+    "architectures": ["FalconH1ForCausalLM"],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "mamba_chunk_size": 128,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_norm_before_gate": False,
+    "mamba_proj_bias": False,
+    "mamba_rms_norm": False,
+    "mlp_bias": False,
+    "num_key_value_heads": 2,
+    "projectors_bias": False,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 100000000000.0,
+    "tie_word_embeddings": False,
+}
+FALCON_H1_0_5B = {
+    **_FALCON_H1,
+    "attention_in_multiplier": 1.0,
+    "attention_out_multiplier": 0.9375,
+    "embedding_multiplier": 5.656854249492381,
+    "head_dim": 64,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "key_multiplier": 0.39062499999999994,
+    "lm_head_multiplier": 0.0390625,
+    "mamba_d_head": 64,
+    "mamba_d_ssm": 1536,
+    "mamba_d_state": 128,
+    "mamba_n_heads": 24,
+    "max_position_embeddings": 16384,
+    "mlp_multipliers": [0.8838834764831844, 0.5859375],
+    "num_attention_heads": 8,
+    "num_hidden_layers": 36,
+    "ssm_in_multiplier": 1.25,
+    "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+    "ssm_out_multiplier": 0.23570226039551587,
+    "vocab_size": 32784,
+}
+# The larger sizes: the shapes of the published configs (transformers' Falcon-H1 documentation table: depth, width,
+# heads, Mamba heads and head sizes, state size); their µP multipliers are not transcribed here (see FALCON_NOTE).
+FALCON_H1_1_5B = {
+    **_FALCON_H1,
+    "head_dim": 128,
+    "hidden_size": 2048,
+    "intermediate_size": 4608,
+    "mamba_d_head": 64,
+    "mamba_d_ssm": 3072,
+    "mamba_d_state": 256,
+    "mamba_n_heads": 48,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 24,
+    "vocab_size": 65537,
+}
+FALCON_H1_1_5B_DEEP = {
+    **_FALCON_H1,
+    "head_dim": 128,
+    "hidden_size": 1280,
+    "intermediate_size": 3072,
+    "mamba_d_head": 64,
+    "mamba_d_ssm": 1536,
+    "mamba_d_state": 256,
+    "mamba_n_heads": 24,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 6,
+    "num_hidden_layers": 66,
+    "vocab_size": 65537,
+}
+FALCON_H1_3B = {
+    **_FALCON_H1,
+    "head_dim": 128,
+    "hidden_size": 2560,
+    "intermediate_size": 6144,
+    "mamba_d_head": 128,
+    "mamba_d_ssm": 4096,
+    "mamba_d_state": 256,
+    "mamba_n_heads": 32,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 10,
+    "num_hidden_layers": 32,
+    "vocab_size": 65537,
+}
+FALCON_H1_7B = {
+    **_FALCON_H1,
+    "head_dim": 128,
+    "hidden_size": 3072,
+    "intermediate_size": 12288,
+    "mamba_d_head": 128,
+    "mamba_d_ssm": 3072,
+    "mamba_d_state": 256,
+    "mamba_n_heads": 24,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 44,
+    "vocab_size": 130048,
+}
+FALCON_REQUIRES = ("blockzoo-attention", "blockzoo-mamba-2", "blockzoo-mlp", HF)
+FALCON_NOTE = (
+    "The µP multipliers of this size (embedding, lm_head, attention/SSM in and out, key, MLP, SSM) are not "
+    "transcribed: transformers' defaults (1.0) are taken. They change no parameter count; a model started from the "
+    "published checkpoint (`model.pretrained`) reads its own. Not checked against a stored copy of the config.json: "
+    "intermediate_size (for 3B, the width that gives the published 3.15B parameters)."
+)
+
+# -- Nemotron-H 8B: Mamba 2, attention and MLP layers laid out by a pattern.
+
+NEMOTRON_H_8B = {
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "attention_bias": False,
+    "chunk_size": 128,
+    "conv_kernel": 4,
+    "expand": 2,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "intermediate_size": 21504,
+    "layer_norm_epsilon": 1e-05,
+    "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu",
+    "mamba_num_heads": 128,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "mlp_hidden_act": "relu2",
+    "n_groups": 8,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 52,
+    "num_key_value_heads": 8,
+    "residual_in_fp32": False,
+    "ssm_state_size": 128,
+    "tie_word_embeddings": False,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "vocab_size": 131072,
+}
+
+# -- Granite 4.0 H-Tiny: Mamba 2 and attention (no position embedding) layers, each followed by a MoE with a shared
+# expert; Granite's multipliers.
+
+GRANITE_4_0_H_TINY = {
+    "model_type": "granitemoehybrid",
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "attention_bias": False,
+    "attention_multiplier": 0.0078125,
+    "embedding_multiplier": 12,
+    "hidden_act": "silu",
+    "hidden_size": 1536,
+    "intermediate_size": 512,
+    "layer_types": ["mamba"] * 5 + ["attention"] + (["mamba"] * 9 + ["attention"]) * 3 + ["mamba"] * 4,
+    "logits_scaling": 6,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 48,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 12,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 4,
+    "num_local_experts": 64,
+    "position_embedding_type": None,  # published: "nope" (no position embedding), which transformers reads as None
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "router_aux_loss_coef": 0.0,
+    "shared_intermediate_size": 1024,
+    "tie_word_embeddings": True,
+    "vocab_size": 100352,
+}
+GRANITE_NOTE = (
+    "The published normalization_function (rmsnorm) is left out: the format implies it. Not checked against a stored "
+    "copy of the config.json: the places of the 4 attention layers among the 40 and the multipliers (they change no "
+    "parameter count)."
+)
+
+# -- Qwen3-Next 80B-A3B: Gated DeltaNet and gated attention (3:1), every layer a MoE with a gated shared expert.
+
+QWEN_3_NEXT_80B_A3B = {
+    "model_type": "qwen3_next",
+    "architectures": ["Qwen3NextForCausalLM"],
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+QWEN_NEXT_NOTE = (
+    "The multi-token-prediction layer of the published checkpoint is not part of the model transformers builds, nor "
+    "of this preset. intermediate_size (5120) is used by no layer: every layer is a MoE (mlp_only_layers is empty)."
+)
+
+
+def _published(family, repository, config, parameters, published, requires, *, active=None, notes=""):
+    return Preset(
+        family=family,
+        format=config["model_type"],
+        huggingface_config=config,
+        parameters=parameters,
+        active_parameters=active,
+        published_parameters=published,
+        source=HUB.format(repository),
+        requires=requires,
+        notes=" ".join(filter(None, (notes, DEFAULTS_TAKEN))),
+    )
+
+
+def _proxy(family, base_name, base, parameters, requires, *, active=None, **changes):
+    return Preset(
+        family=family,
+        format=base["model_type"],
+        huggingface_config={**base, **changes},
+        parameters=parameters,
+        active_parameters=active,
+        source=f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items()),
+        requires=requires,
+        notes="Ours, not a published model: the family's structure at a size for one GPU. " + DEFAULTS_TAKEN,
+    )
+
+
+NEMOTRON_REQUIRES = ("blockzoo-attention", "blockzoo-mamba-2", "blockzoo-mlp", HF)
+GRANITE_REQUIRES = ("blockzoo-attention", "blockzoo-mamba-2", "blockzoo-moe", HF)
+QWEN_NEXT_REQUIRES = ("blockzoo-attention", "blockzoo-gated-delta-net", "blockzoo-moe", HF)
+
+
+def presets() -> dict[str, Preset]:
+    falcon = dict(requires=FALCON_REQUIRES)
+    return {
+        "falcon_h1_0_5b": _published(
+            "Falcon-H1", "tiiuae/Falcon-H1-0.5B-Base", FALCON_H1_0_5B, 521_411_104, "0.5B", **falcon
+        ),
+        "falcon_h1_1_5b": _published(
+            "Falcon-H1",
+            "tiiuae/Falcon-H1-1.5B-Base",
+            FALCON_H1_1_5B,
+            1_554_789_760,
+            "1.5B",
+            notes=FALCON_NOTE,
+            **falcon,
+        ),
+        "falcon_h1_1_5b_deep": _published(
+            "Falcon-H1",
+            "tiiuae/Falcon-H1-1.5B-Deep-Base",
+            FALCON_H1_1_5B_DEEP,
+            1_554_773_392,
+            "1.5B",
+            notes=FALCON_NOTE,
+            **falcon,
+        ),
+        "falcon_h1_3b": _published(
+            "Falcon-H1", "tiiuae/Falcon-H1-3B-Base", FALCON_H1_3B, 3_149_261_312, "3B", notes=FALCON_NOTE, **falcon
+        ),
+        "falcon_h1_7b": _published(
+            "Falcon-H1", "tiiuae/Falcon-H1-7B-Base", FALCON_H1_7B, 7_585_513_568, "7B", notes=FALCON_NOTE, **falcon
+        ),
+        "nemotron_h_8b": _published(
+            "Nemotron-H", "nvidia/Nemotron-H-8B-Base-8K", NEMOTRON_H_8B, 8_100_852_736, "8B", NEMOTRON_REQUIRES
+        ),
+        "granite_4_0_h_tiny": _published(
+            "Granite 4.0",
+            "ibm-granite/granite-4.0-h-tiny",
+            GRANITE_4_0_H_TINY,
+            6_939_037_248,
+            "7B (1B active)",
+            GRANITE_REQUIRES,
+            active=1_465_470_528,
+            notes=GRANITE_NOTE,
+        ),
+        "qwen3_next_80b_a3b": _published(
+            "Qwen3-Next",
+            "Qwen/Qwen3-Next-80B-A3B-Instruct",
+            QWEN_3_NEXT_80B_A3B,
+            79_674_391_296,
+            "80B (3B active)",
+            QWEN_NEXT_REQUIRES,
+            active=3_874_929_408,
+            notes=QWEN_NEXT_NOTE,
+        ),
+        "falcon_h1_proxy_75m": _proxy(
+            "Falcon-H1",
+            "falcon_h1_0_5b",
+            FALCON_H1_0_5B,
+            73_040_816,
+            FALCON_REQUIRES,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_attention_heads=4,
+            mamba_n_heads=12,
+            mamba_d_ssm=768,
+            num_hidden_layers=12,
+        ),
+        "qwen3_next_proxy_320m": _proxy(
+            "Qwen3-Next",
+            "qwen3_next_80b_a3b",
+            QWEN_3_NEXT_80B_A3B,
+            324_206_544,
+            QWEN_NEXT_REQUIRES,
+            active=192_085_968,
+            hidden_size=512,
+            num_attention_heads=4,
+            head_dim=128,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=256,
+            num_hidden_layers=12,
+        ),
+    }
+
+
+def register_presets(register) -> None:
+    for name, preset in presets().items():
+        register(name, preset)
