@@ -3,4 +3,7 @@
 Its config is `blockzoo_shortconv.config`, the layer `blockzoo_shortconv.mixer`, the hooks `blockzoo_shortconv.plugin`.
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+# The installed distribution's version: pyproject.toml is its one source.
+__version__ = importlib.metadata.version("blockzoo-shortconv")
