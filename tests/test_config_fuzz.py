@@ -85,7 +85,11 @@ def _base_configs() -> list[dict[str, Any]]:
             candidates.append({**TINY, "model": {**TINY["model"], "peft": {"type": entry.name}}})
         elif entry.kind == "dataset" and entry.name != "memmap":  # memmap needs files: its fields come with TINY's
             model = {**TINY["model"], "embeddings": {"vocab_size": 257}}  # the embedded corpus's byte ids
-            candidates.append({**TINY, "model": model, "data": {"type": entry.name, "sequence_length": 16}})
+            data = {"type": entry.name, "sequence_length": 16}
+            if entry.name == "blended":  # needs sources: two of the embedded corpus, unevenly
+                stories = {"type": "embedded", "num_documents": 40}
+                data["sources"] = {"a": {"weight": 2, "dataset": stories}, "b": {"weight": 0.5, "dataset": stories}}
+            candidates.append({**TINY, "model": model, "data": data})
     candidates.append(
         {
             **TINY,

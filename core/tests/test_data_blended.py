@@ -226,7 +226,6 @@ def test_validation_fraction_1_makes_an_evaluation_only_dataset(tmp_path):
     [
         ({"weight": 0, "path": "x"}, "sources.web.weight", "must be > 0"),
         ({"weight": -0.5, "path": "x"}, "sources.web.weight", "must be > 0"),
-        ({"path": "x"}, "sources.web.weight", "required"),
         ({"weight": 1}, "sources.web.path", "either `path`.*or `dataset`.*neither"),
         ({"weight": 1, "path": "x", "dataset": {"type": "embedded"}}, "sources.web.path", "not both"),
         (

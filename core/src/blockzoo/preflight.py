@@ -151,7 +151,7 @@ def _check_data(run_config: RunConfig, data_parallel: int, problems, checked: li
         checked.append(f"the memmap dataset's metadata ({data.path})")
         not_checked.append("the memmap dataset's token and index files (read when training starts)")
         return
-    if name not in ("embedded", "random"):
+    if name not in ("embedded", "random", "blended"):
         not_checked.append(f"the {name} dataset (built when training starts)")
         return
     import torch
@@ -169,7 +169,9 @@ def _check_data(run_config: RunConfig, data_parallel: int, problems, checked: li
             data, seed=run_config.distributed.seed, model_vocab_size=run_config.model.embeddings.vocab_size
         )
         next(dataset.training_batches(rank=0, ranks=data_parallel))
-        if run_config.training.evaluation.interval is not None:
+        evaluation = run_config.training.evaluation
+        # Data that holds nothing out is not evaluated when validation sets are named (`evaluation_loss/<name>`).
+        if evaluation.interval is not None and (dataset.num_evaluation_samples != 0 or not evaluation.datasets):
             next(dataset.evaluation_batches(rank=0, ranks=data_parallel))
 
     before = len(problems)

@@ -97,6 +97,7 @@ class BlendSourceConfig(Config):
     """One source of a `blended` dataset: a prepared dataset (`path`) or any dataset (`dataset`), and its weight."""
 
     weight: float = field(
+        1.0,
         doc="Its share of the training samples: weight / the sum of the sources' weights (they need not sum to 1).",
         validator=greater_than(0),
     )
