@@ -80,9 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--verbose", action="store_true", help="the traceback of each plugin that failed to load")
     plugins.set_defaults(run=_plugins)
 
-    init = commands.add_parser("init", help="write a run config to start from (an installed example)")
-    init.add_argument("name", metavar="EXAMPLE", nargs="?", help="which one (default: demo; --list names them)")
-    init.add_argument("-o", "--output", help="the YAML file to write (default: EXAMPLE.yaml here)")
+    models = commands.add_parser("models", help="list the named architectures (presets) the installed plugins ship")
+    shown = models.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="machine-readable output")
+    shown.add_argument("--markdown", action="store_true", help="the catalogue as docs/models.md holds it")
+    models.set_defaults(run=_models)
+
+    init = commands.add_parser(
+        "init", help="write a run config to start from (an installed example, or a preset of `blockzoo models`)"
+    )
+    init.add_argument("name", metavar="EXAMPLE|PRESET", nargs="?", help="which one (default: demo; --list names them)")
+    init.add_argument("-o", "--output", help="the YAML file to write (default: NAME.yaml here)")
     init.add_argument("--force", action="store_true", help="replace --output if it exists")
     init.add_argument("--list", action="store_true", help="list what can be written, and write nothing")
     init.set_defaults(run=_init)
@@ -200,9 +208,9 @@ def _init(arguments: argparse.Namespace) -> int:
         return 0
     name = arguments.name or DEFAULT
     output = Path(arguments.output or f"{name}.yaml")
-    write(name, output, force=arguments.force)
+    written = write(name, output, force=arguments.force)
     print(
-        f"blockzoo: wrote {output} (the {name} example); check it: blockzoo config {output}; train it: "
+        f"blockzoo: wrote {output} (the {name} {written.origin}); check it: blockzoo config {output}; train it: "
         f"blockzoo train {output}",
         file=sys.stderr,
     )
@@ -370,6 +378,11 @@ def _config(arguments: argparse.Namespace) -> int:
     report = preflight(run_config, processes=processes)
     print(to_yaml(run_config, explicit_only=arguments.explicit), end="")
     print("blockzoo: checked: " + "; ".join(report.checked), file=sys.stderr)
+    if report.parameters is not None:
+        from blockzoo.memory import for_layout
+
+        state = for_layout(report.parameters, run_config.distributed, processes)
+        print(f"blockzoo: memory (estimate): {state.describe()}", file=sys.stderr)
     print(
         "blockzoo: not checked (needs the data read or the ranks started): " + "; ".join(report.not_checked),
         file=sys.stderr,
@@ -390,6 +403,19 @@ def _version() -> int:
         if record.distribution and record.name != "blockzoo":
             status = "" if record.status == "loaded" else f" ({record.status})"
             print(f"{record.distribution} {record.version} (plugin {record.name!r}){status}")
+    return 0
+
+
+def _models(arguments: argparse.Namespace) -> int:
+    from blockzoo import preset_catalogue
+
+    found = preset_catalogue.rows()
+    if arguments.json:
+        print(json.dumps(found, indent=2))
+    elif arguments.markdown:
+        print(preset_catalogue.markdown(found), end="")
+    else:
+        print(preset_catalogue.table(found))
     return 0
 
 

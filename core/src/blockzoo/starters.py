@@ -1,6 +1,7 @@
 """What `blockzoo init` can write: run configs to start from, by name. Today the examples installed with the core
-(`blockzoo/examples/*.yaml`, copies of the repository's `examples/`); another source (named architectures, say)
-adds its starters in `starters()`, after the examples, which keep their names. No torch, no plugin is imported."""
+(`blockzoo/examples/*.yaml`, copies of the repository's `examples/`), then the named architectures the plugins ship
+(`blockzoo models`: a run config for the preset, `blockzoo.preset_runs`); another source adds its starters in
+`starters()`, after these, which keep their names. No torch is imported; the presets load the plugins."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Starter:
 def starters() -> dict[str, Starter]:
     """Every starter by name, the installed examples first: a later source never replaces an earlier name."""
     found: dict[str, Starter] = {}
-    for starter in _examples():
+    for starter in [*_examples(), *_presets()]:
         found.setdefault(starter.name, starter)
     return found
 
@@ -66,6 +67,20 @@ def _examples() -> list[Starter]:
             read = functools.partial(entry.read_text, encoding="utf-8")
             found.append(Starter(entry.name.removesuffix(".yaml"), _description(text), "example", read))
     return found
+
+
+def _presets() -> list[Starter]:
+    from blockzoo import preset_runs, presets
+
+    return [
+        Starter(
+            entry.name,
+            preset_runs.description(entry),
+            "preset",
+            functools.partial(preset_runs.run_config_text, entry.name),
+        )
+        for entry in presets.entries()
+    ]
 
 
 def _description(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from collections.abc import Mapping
@@ -42,15 +43,22 @@ from blockzoo.peft.apply import adapters, merged_weights, without_adapters
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 
+# A preset's name (`qwen3_0_6b`, a third party's `acme.tiny`): no path separator and no YAML suffix, so a missing
+# config file is still reported as one.
+_PRESET_NAME = re.compile(r"[a-z][a-z0-9_]*(\.(?!ya?ml$)[a-z][a-z0-9_]*)?")
+
 
 def as_run_config(config: RunConfig | ModelConfig | Mapping | str | Path) -> RunConfig:
-    """A run config from a run config, a model config, plain data of a run config, or a YAML file."""
+    """A run config from a run config, a model config, plain data of a run config, a YAML file, or the name of a
+    preset (`blockzoo models`) that is not a file here."""
     if isinstance(config, RunConfig):
         return config
     if isinstance(config, ModelConfig):
         return RunConfig(model=config)
     if isinstance(config, Mapping):
         return structure(config, RunConfig)
+    if isinstance(config, str) and not Path(config).exists() and _PRESET_NAME.fullmatch(config):
+        return structure({"model": {"preset": config}}, RunConfig)
     if isinstance(config, (str, Path)):
         return load_config(RunConfig, config)
     raise ConfigError([("", f"expected a RunConfig, ModelConfig, mapping or YAML path, got {type(config).__name__}")])
