@@ -1,7 +1,12 @@
 """The maintainers' matrix: `nox -s tests` runs `tests(all)` (every distribution together) and
 `tests(<distribution>)` (each alone with the core); `nox -s lint`; `nox -s template` bakes the plugin template and
-runs the generated project's tests. Sessions install from the repository's paths, never from an index."""
+runs the generated project's tests; `nox -s dist` builds, checks and installs what a release publishes; `nox -s docs`
+builds the documentation site. Sessions install from the repository's paths, never from an index (but third-party
+requirements)."""
 
+import os
+import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,7 +17,15 @@ ROOT = Path(__file__).parent
 # Installed first: a bare `torch` requirement would pull a multi-GB CUDA build where none is installed.
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
-DISTRIBUTION_FOLDERS = ["core", "mixers/*", "mlps/*", "converters/*", "trackers/*", "evaluation/*", "plugins/examples/*"]
+DISTRIBUTION_FOLDERS = [
+    "core",
+    "mixers/*",
+    "mlps/*",
+    "converters/*",
+    "trackers/*",
+    "evaluation/*",
+    "plugins/examples/*",
+]
 
 nox.options.sessions = ["lint", "tests"]
 # The distributions of the demo, installed together (examples/moe.yaml also runs there).
@@ -115,6 +128,69 @@ def template(session: nox.Session) -> None:
         # The reused environment must not keep plugins of a template that may change before the next run.
         session.run("python", "-m", "pip", "uninstall", "--yes", *(f"blockzoo-template-{kind}" for kind in kinds))
         shutil.rmtree(root)
+
+
+@nox.session
+def dist(session: nox.Session) -> None:
+    """What a release publishes (docs/releasing.md): every distribution's sdist, and its wheel built from that sdist
+    (as pip builds from source: a file the sdist lacks is then missing from the wheel too), into dist/; checked by
+    `twine check`, `check-wheel-contents` and .ci/check_archives.py; then installed into a fresh environment outside
+    the repository, where the core's README is followed (its Install and Quick start blocks, run as written: the
+    wheels stand in for the index's blockzoo distributions and this file's TORCH for the README's torch line), and
+    every published wheel is installed and checked together (`blockzoo plugins --check`)."""
+    session.install("build>=1", "twine>=6", "check-wheel-contents>=0.6", "setuptools>=77")
+    output = ROOT / "dist"
+    shutil.rmtree(output, ignore_errors=True)
+    folders = distributions()
+    for folder in folders.values():
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(output), str(folder), silent=True)
+    wheels = sorted(output.glob("*.whl"))
+    session.run("twine", "check", "--strict", *map(str, sorted(output.iterdir())))
+    session.run("check-wheel-contents", *map(str, wheels))
+    session.run("python", ".ci/check_archives.py", str(output), *map(str, folders.values()))
+    by_name = {wheel.name.split("-")[0].replace("_", "-"): wheel for wheel in wheels}
+    published = [by_name[name] for name, folder in folders.items() if not str(folder).startswith("plugins/examples")]
+    home = Path(tempfile.mkdtemp(prefix="blockzoo-wheels-"))
+    try:
+        session.run("python", "-m", "venv", str(home / "venv"))
+        bin_dir = home / "venv" / "bin"
+        env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BLOCKZOO_STRICT_PLUGINS": "1"}
+        readme = (ROOT / "core" / "README.md").read_text()
+        with session.chdir(home):
+            for line in _bash_block(readme, "## Install"):
+                arguments = shlex.split(line.split(" #")[0])
+                if "torch" in arguments:  # CI reaches PyPI only: the pinned torch the other sessions install
+                    arguments = ["pip", "install", TORCH]
+                else:  # each blockzoo distribution from its wheel: never the index's
+                    arguments = [str(by_name.get(a, a)) for a in arguments]
+                session.run(str(bin_dir / "python"), "-m", *arguments, external=True, env=env)
+            for line in _bash_block(readme, "## Quick start"):
+                session.run("bash", "-euo", "pipefail", "-c", line, external=True, env=env)
+            if not (home / "runs" / "demo-llama" / "model.safetensors").is_file():
+                session.error("the README's quick start left no exported model in runs/demo-llama")
+            session.run(str(bin_dir / "python"), "-m", "pip", "install", *map(str, published), external=True)
+            session.run("blockzoo", "plugins", "--check", external=True, env=env)
+            session.run("blockzoo", "--version", external=True, env=env)
+    finally:
+        shutil.rmtree(home)
+
+
+def _bash_block(markdown: str, heading: str) -> list[str]:
+    """The command lines of the first ```bash block under `heading`."""
+    section = markdown.split(f"\n{heading}\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml), built with warnings as errors into site/. The distributions are
+    installed without their dependencies: the config reference is generated from their config modules, which import
+    no torch, and the API reference from the sources (docs_hooks.py)."""
+    session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+    session.install("pluggy>=1.5", "attrs>=23.1", "cattrs>=24.1", "pyyaml>=6", "packaging>=23")
+    session.install("--no-deps", *(f"{folder}" for folder in distributions().values()))
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

@@ -1,0 +1,83 @@
+"""MkDocs hooks (mkdocs.yml): the pages generated at build time, and links out of docs/ made absolute.
+
+- config-reference.md: `blockzoo config schema` of the distributions installed where the site is built, so the
+  site never shows a stale reference (the committed file is what GitHub shows).
+- api-reference.md: one mkdocstrings block per public name of `blockzoo` and `blockzoo.api`, each from the module
+  that defines it; the names are read from the sources (no torch is imported to build the site).
+- A link from a page to a file outside docs/ (`../examples/demo.yaml`) points at the repository on GitHub.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).parent
+SOURCE = ROOT / "core" / "src" / "blockzoo"
+HOME = "https://github.com/blockzoo/blockzoo"
+
+
+def on_files(files: Files, config) -> Files:
+    files.append(File.generated(config, "api-reference.md", content=api_reference()))
+    return files
+
+
+def on_page_read_source(page, config) -> str | None:
+    if page.file.src_uri == "config-reference.md":
+        from blockzoo.schema import config_reference
+
+        return config_reference()
+    return None
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    depth = page.file.src_uri.count("/")
+
+    def absolute(match: re.Match) -> str:
+        target = match.group(1)
+        parts = Path(page.file.src_uri).parent.joinpath(target).as_posix().split("/")
+        if target.startswith(("http", "#", "mailto:")) or parts.count("..") <= depth:
+            return match.group(0)
+        return f"]({HOME}/blob/main/{target.replace('../' * (depth + 1), '', 1)})"
+
+    return re.sub(r"\]\(([^)\s]+)\)", absolute, markdown)
+
+
+def api_reference() -> str:
+    sections = [
+        "# API reference",
+        "",
+        "Generated from the docstrings at build time. [Python API](python-api.md) shows these names at work; "
+        "[the plugin API](plugins/api.md) says what is public and stable for plugins.",
+    ]
+    for module, title, note in [
+        ("blockzoo", "`blockzoo`", "Models, runs and their configs."),
+        ("blockzoo.api", "`blockzoo.api`", "Everything a plugin may import from blockzoo."),
+    ]:
+        sections += ["", f"## {title}", "", note]
+        for name, origin in public_names(module).items():
+            sections += ["", f"::: {origin}.{name}", "    options:", f"      heading: {module}.{name}"]
+    return "\n".join(sections) + "\n"
+
+
+def public_names(module: str) -> dict[str, str]:
+    """Each name of the module's `__all__` -> the module that defines it, from the imports and the lazy tables
+    (`_API`, `_LAZY`: name -> module) of its source."""
+    path = SOURCE / ("__init__.py" if module == "blockzoo" else module.removeprefix("blockzoo.") + ".py")
+    tree = ast.parse(path.read_text())
+    origins: dict[str, str] = {}
+    exported: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockzoo"):
+            origins.update({alias.asname or alias.name: node.module for alias in node.names})
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target = node.targets[0].id
+            if target in ("_API", "_LAZY"):
+                origins.update(ast.literal_eval(node.value))
+            if target == "__all__":
+                exported = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+                exported += [n for e in node.value.elts if isinstance(e, ast.Starred) for n in origins]
+    return {name: origins[name] for name in exported if name in origins and not name.startswith("_")}
