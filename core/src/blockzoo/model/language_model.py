@@ -148,17 +148,19 @@ class Head(nn.Module):
                 "head.output_weight", (vocab_dim(vocab_size), hidden_dim), settings, distributed
             )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[tokens, vocab]` of every token, whose final hidden states are `hidden` (this rank's tokens under
-        sequence-tensor-parallel). Under tensor parallelism the vocabulary slices are gathered, without gradient:
-        for inference (train through `loss`)."""
+        sequence-tensor-parallel); of the tokens `rows` indexes (among all tokens) only, when given. Under tensor
+        parallelism the vocabulary slices are gathered, without gradient: for inference (train through `loss`)."""
         hidden = self._normalized(hidden)
         distributed = self.distributed
         if distributed.tensor_size == 1:
-            return F.linear(hidden, self.output_weight.to(hidden.dtype))
+            return F.linear(hidden if rows is None else hidden[rows], self.output_weight.to(hidden.dtype))
         group = distributed.tensor_group
         if distributed.sequence_tensor_parallel:
             hidden = gather_tokens(hidden, group)
+        if rows is not None:
+            hidden = hidden[rows]
         logits = F.linear(hidden, self.output_weight.to(hidden.dtype))
         return vocab_dim(self.vocab_size).local_to_global(logits, 1, group)
 
@@ -235,10 +237,13 @@ class LanguageModel(nn.Module):
         batch = Batch([length] * rows, device=input_ids.device)
         return self.forward_packed(input_ids.reshape(-1), batch).view(rows, -1, self.vocab_size)
 
-    def forward_packed(self, tokens: torch.Tensor, batch: Batch, states: Sequence | None = None) -> torch.Tensor:
+    def forward_packed(
+        self, tokens: torch.Tensor, batch: Batch, states: Sequence | None = None, *, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits `[tokens, vocab]` of all the packed `tokens`, on every rank (gathered under tensor parallelism,
-        where they carry no gradient: see `Head.forward`)."""
-        return self.head(self._final_hidden(tokens, batch, states))
+        where they carry no gradient: see `Head.forward`). `rows`: indices of the only tokens whose logits are
+        computed (scoring a continuation needs its tokens' alone: the output product is a large part of a pass)."""
+        return self.head(self._final_hidden(tokens, batch, states), rows)
 
     def loss(
         self, tokens: torch.Tensor, labels: torch.Tensor, batch: Batch | Sequence[Batch]

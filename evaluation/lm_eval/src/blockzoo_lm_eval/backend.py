@@ -143,7 +143,6 @@ class BlockzooLM(TemplateLM):
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
         for start in range(0, len(ordered), self.batch_size):
             chunk = ordered[start : start + self.batch_size]
-            logits = self._packed_logits(chunk)
             rows, targets, sizes, owners = [], [], [], []
             end = 0
             for tokens in chunk:
@@ -154,8 +153,9 @@ class BlockzooLM(TemplateLM):
                     targets.extend(continuation)
                     sizes.append(len(continuation))
                     owners.append(index)
-            log_probabilities = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)
-            target = torch.tensor(targets, device=logits.device)
+            # The logits of the continuations' tokens alone.
+            log_probabilities = self._packed_logits(chunk, rows).float().log_softmax(-1)
+            target = torch.tensor(targets, device=log_probabilities.device)
             chosen = log_probabilities.gather(1, target[:, None]).squeeze(1)
             greedy = log_probabilities.argmax(-1) == target
             sums = [float(part.sum()) for part in chosen.split(sizes)]
@@ -166,8 +166,8 @@ class BlockzooLM(TemplateLM):
                     self.cache_hook.add_partial("loglikelihood", requests[index][0], answers[index])
         return answers  # type: ignore[return-value]
 
-    def _packed_logits(self, documents: list[tuple[int, ...]]) -> torch.Tensor:
-        """Logits `[tokens, vocab]` of `documents` packed into one forward pass, in order."""
+    def _packed_logits(self, documents: list[tuple[int, ...]], rows: list[int]) -> torch.Tensor:
+        """Logits `[rows, vocab]` of the tokens `rows` indexes among `documents` packed into one forward pass."""
         lengths = [len(tokens) for tokens in documents]
         flat = [token for tokens in documents for token in tokens]
         distributed = self.distributed
@@ -176,7 +176,8 @@ class BlockzooLM(TemplateLM):
             lengths.append(filler)
             flat.extend([self.eot_token_id] * filler)
         tokens = torch.tensor(flat, dtype=torch.long, device=self._device)
-        return self.model.forward_packed(tokens, Batch(lengths, device=self._device))
+        rows_on_device = torch.tensor(rows, dtype=torch.long, device=self._device)
+        return self.model.forward_packed(tokens, Batch(lengths, device=self._device), rows=rows_on_device)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """The log-probability of each whole text, in windows of `max_length` tokens (lm-eval's disjoint rolling
