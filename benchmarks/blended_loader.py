@@ -103,9 +103,9 @@ def main() -> None:
     step = step_seconds(run_config, arguments.steps)
     print(f"training step of examples/blended.yaml (one micro-batch, forward + backward + AdamW): {step * 1e3:.1f} ms")
     for label, seconds in results.items():
-        print(f"{label:40s} {seconds * 1e6:8.1f} µs per micro-batch  ({seconds / step:.3%} of a step)")
+        print(f"{label:40s} {seconds * 1e6:8.1f} µs per micro-batch  ({seconds / step:.4%} of a step)")
     extra = results["blended (3 sources), from the start"] - results["memmap (web alone), from the start"]
-    print(f"the blend's extra cost: {extra * 1e6:.1f} µs per micro-batch ({extra / step:.3%} of a step)")
+    print(f"the blend's extra cost: {extra * 1e6:.1f} µs per micro-batch ({extra / step:.4%} of a step)")
     print(f"a resume at sequence 1,000,000: its first micro-batch {walk * 1e3:.0f} ms (the index walked once)")
 
 
