@@ -17,7 +17,7 @@ import attrs
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import blockzoo
 from blockzoo.checkpoint import CheckpointError, latest_checkpoint, record_checksum
@@ -72,11 +72,39 @@ def test_attention_adapts_query_and_value_by_default_and_mlp_nothing():
     assert trainable(model) == {
         f"{prefix}.query.adapter.lora_a.0",
         f"{prefix}.query.adapter.lora_b.0",
-        f"{prefix}.key_value.adapter.lora_a.1",  # the value part of key‖value only
-        f"{prefix}.key_value.adapter.lora_b.1",
+        f"{prefix}.key_value.adapter.lora_a.value",  # the value part of key‖value only, by its name
+        f"{prefix}.key_value.adapter.lora_b.value",
     }
     adapter = model.decoder[0].mixer.key_value.adapter
-    assert adapter.lora_a["1"].shape == (3, 32) and adapter.lora_b["1"].shape == (16, 3)  # 2 groups × 8
+    assert adapter.lora_a["value"].shape == (3, 32) and adapter.lora_b["value"].shape == (16, 3)  # 2 groups × 8
+
+
+def test_a_checkpoint_with_adapters_named_by_index_still_loads(tmp_path):
+    """Adapters of a fused linear once took their component's index (`key_value.adapter.lora_a.1`); a checkpoint
+    written so loads into the named parameters (`lora_a.value`), with the same values."""
+    mixer = {**ATTENTION, "key": {"apply_peft": True}}  # key and value of key‖value: names that replace 0 and 1
+    model = model_of({"attn": {"mixer": mixer, "mlp": MLP}})
+    randomize_adapters(model)
+    blockzoo.save(model, tmp_path / "checkpoint")
+    weights = tmp_path / "checkpoint" / "model.safetensors"
+    tensors = load_file(weights)
+    renamed = {"key": "0", "value": "1"}
+    old = {
+        re.sub(r"lora_([ab])\.(key|value)$", lambda m: f"lora_{m[1]}.{renamed[m[2]]}", n): t for n, t in tensors.items()
+    }
+    assert (
+        "decoder.0.mixer.key_value.adapter.lora_a.1" in old
+        and "decoder.0.mixer.key_value.adapter.lora_a.value" not in old
+    )
+    save_file(old, weights, metadata={"format": "pt"})
+    record_checksum(tmp_path / "checkpoint", "model.safetensors")
+    loaded = blockzoo.load(tmp_path / "checkpoint")
+    expected = dict(model.named_parameters())
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, expected[name]), name
+    assert {"decoder.0.mixer.key_value.adapter.lora_b.key", "decoder.0.mixer.key_value.adapter.lora_b.value"} <= set(
+        expected
+    )
 
 
 def test_any_linear_overrides_its_parents_default():
@@ -85,7 +113,7 @@ def test_any_linear_overrides_its_parents_default():
     model = model_of({"attn": {"mixer": mixer, "mlp": mlp}})
     assert trainable(model) == {
         f"decoder.0.{name}.adapter.lora_{side}.{component}"
-        for name, component in (("mixer.key_value", 0), ("mlp.gate_up", 1), ("mlp.down", 0))
+        for name, component in (("mixer.key_value", "key"), ("mlp.gate_up", "up"), ("mlp.down", 0))
         for side in "ab"
     }
 
@@ -101,12 +129,12 @@ def test_mamba_2_adapter_on_z_only_updates_the_z_rows():
     model = model_of({"ssm": {"mixer": mixer, "mlp": {"type": "none"}}})
     randomize_adapters(model)
     in_proj = model.decoder[0].mixer.in_proj
-    assert set(in_proj.adapter.lora_a) == {"0"} and model.decoder[0].mixer.out_proj.adapter is not None
+    assert set(in_proj.adapter.lora_a) == {"z"} and model.decoder[0].mixer.out_proj.adapter is not None
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
     z_rows = in_proj.output_dim.dims[0].global_size
     lora = in_proj.adapter
     expected = x @ in_proj.weight.T
-    expected[:, :z_rows] += lora.scale * (x @ lora.lora_a["0"].T @ lora.lora_b["0"].T)
+    expected[:, :z_rows] += lora.scale * (x @ lora.lora_a["z"].T @ lora.lora_b["z"].T)
     torch.testing.assert_close(in_proj(x), expected, atol=1e-6, rtol=1e-5)
 
 
@@ -122,7 +150,7 @@ def test_moe_apply_peft_adapts_the_shared_experts_and_is_refused_without_them():
     assert adapted == {
         f"decoder.0.{name}" for name in ("mixer.query", "mixer.key_value", "mlp.shared_gate_up", "mlp.shared_down")
     }
-    assert set(model.decoder[0].mlp.shared_gate_up.adapter.lora_a) == {"1"}  # up of gate‖up
+    assert set(model.decoder[0].mlp.shared_gate_up.adapter.lora_a) == {"shared_up"}  # up of gate‖up
     assert not any(parameter.requires_grad for parameter in model.decoder[0].mlp.gate_up.parameters())
     for part in ("up", "down", "gate"):
         with pytest.raises(ConfigError, match=rf"mlp\.{part}\.apply_peft: routed experts take no PEFT adapters"):
@@ -160,7 +188,7 @@ def test_a_third_party_plugins_linears_take_adapters():
     model = model_of({"conv": {"mixer": mixer, "mlp": MLP}})
     assert trainable(model) == {
         f"decoder.0.mixer.{name}.adapter.lora_{side}.{component}"
-        for name, component in (("in_proj", 1), ("out_proj", 0))
+        for name, component in (("in_proj", "gate"), ("out_proj", 0))
         for side in "ab"
     }
     check_merge(model)

@@ -68,7 +68,7 @@ def _theirs(directory, ours):
         for index, block in enumerate(ours.decoder):
             query, key_value = block.mixer.query.adapter, block.mixer.key_value.adapter
             attention = layers[index].self_attn
-            for module, adapter, component in ((attention.q_proj, query, "0"), (attention.v_proj, key_value, "1")):
+            for module, adapter, component in ((attention.q_proj, query, "0"), (attention.v_proj, key_value, "value")):
                 module.lora_A["default"].weight.copy_(adapter.lora_a[component])
                 module.lora_B["default"].weight.copy_(adapter.lora_b[component])
                 assert module.scaling["default"] == adapter.scale
@@ -94,7 +94,7 @@ def test_same_adapters_give_the_logits_and_gradients_of_peft(exported_llama):
         attention = layers[index].self_attn
         for module, adapter, component in (
             (attention.q_proj, block.mixer.query.adapter, "0"),
-            (attention.v_proj, block.mixer.key_value.adapter, "1"),
+            (attention.v_proj, block.mixer.key_value.adapter, "value"),
         ):
             torch.testing.assert_close(
                 adapter.lora_a[component].grad, module.lora_A["default"].weight.grad, **GRADIENT_TOLERANCE
@@ -175,7 +175,7 @@ def test_peft_modules_that_do_not_map_are_refused_by_name(exported_llama, tmp_pa
     with pytest.raises(ConversionError, match=r"model\.layers\.0\.mlp\.up_proj.*cannot be mapped"):
         load_adapters(ours, directory, "llama")
     directory, _ = _peft_adapters(exported_llama, ["q_proj"], tmp_path / "q")
-    with pytest.raises(ConversionError, match=r"no adapter tensors for .*key_value\.1"):
+    with pytest.raises(ConversionError, match=r"no adapter tensors for .*key_value\.value"):
         load_adapters(ours, directory, "llama")
 
 
@@ -207,7 +207,7 @@ def test_mamba2_in_proj_parts_export_as_one_peft_module_and_import_back(mamba2_d
     torch.testing.assert_close(theirs(input_ids=TOKENS).logits, our_logits(ours), **TOLERANCE)
 
     directory, expected = _peft_adapters(mamba2_directory, ["in_proj"], tmp_path)
-    with pytest.raises(ConversionError, match=r"component 2 of 'decoder\.0\.mixer\.in_proj'"):
+    with pytest.raises(ConversionError, match=r"component b of 'decoder\.0\.mixer\.in_proj'"):
         load_adapters(_mamba2(mamba2_directory, ("z", "x")), directory, "mamba2")
     every_part = _mamba2(mamba2_directory, ("z", "x", "b", "c", "dt"))
     load_adapters(every_part, directory, "mamba2")

@@ -723,10 +723,13 @@ def load_checkpoint(
         )
     if model is not None:
         parameters = _saved_parameters(model, adapters_only)
-        with _TensorFile(directory / MODEL_FILE, metadata) as weights:
+        from blockzoo.peft.lora import renamed_adapter_parameters
+
+        renamed = renamed_adapter_parameters(model)  # adapters of fused linears once named by index
+        with _TensorFile(directory / MODEL_FILE, metadata, renamed) as weights:
             _check_weights(weights, parameters, source, whole_model=distributed.config.pipeline_parallel == 1)
             if optimizer is not None:  # Read (and checked) before any parameter changes.
-                with _TensorFile(directory / OPTIMIZER_FILE, metadata) as states:
+                with _TensorFile(directory / OPTIMIZER_FILE, metadata, renamed) as states:
                     optimizer_state = _read_optimizer_state(states, model, optimizer, distributed)
             # Resuming (with the optimizer) copies: a run prunes its old checkpoints, and a file mapped by the model
             # would keep its disk space until the process ends.
@@ -862,7 +865,7 @@ class _TensorFile:
     that name it, checked against the checksum `metadata` records for it (hashed over the same map: the pages it
     reads are those the tensors then use). Use as a context manager."""
 
-    def __init__(self, path: Path, metadata: Mapping[str, Any]):
+    def __init__(self, path: Path, metadata: Mapping[str, Any], renamed: Mapping[str, str] | None = None):
         self.path = path
         if not path.is_file():
             raise CheckpointError(path, "missing: not a complete checkpoint")
@@ -879,8 +882,16 @@ class _TensorFile:
         except BaseException:
             self._reader.close()
             raise
-        self.shapes = {name: self._reader.shape(name) for name in self._reader.names}
-        self.dtypes = {name: self._reader.dtype(name) for name in self._reader.names}
+        # `renamed`: {parameter name before, now}: a tensor saved under a parameter's former name (or its optimizer
+        # state, `<name>/<key>`) is read as the parameter's present one.
+        parameters_saved = {name.partition("/")[0] for name in self._reader.names}
+        self._file_names = {}
+        for name in self._reader.names:
+            head, slash, rest = name.partition("/")
+            new = (renamed or {}).get(head)
+            self._file_names[new + slash + rest if new and new not in parameters_saved else name] = name
+        self.shapes = {name: self._reader.shape(saved) for name, saved in self._file_names.items()}
+        self.dtypes = {name: self._reader.dtype(saved) for name, saved in self._file_names.items()}
 
     def __enter__(self) -> _TensorFile:
         return self
@@ -890,7 +901,7 @@ class _TensorFile:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, a view of the mapped file (private: writing to it never changes the file)."""
-        return self._reader.mapped(name)
+        return self._reader.mapped(self._file_names.get(name, name))
 
     def error(self, problem: str) -> CheckpointError:
         return CheckpointError(self.path, problem)

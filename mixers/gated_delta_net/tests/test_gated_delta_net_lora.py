@@ -28,7 +28,7 @@ def test_an_adapter_on_v_updates_only_the_v_rows():
     rows = [dim.global_size for dim in in_proj.output_dim.dims]  # q, k, v, z, b, a
     start, stop = sum(rows[:2]), sum(rows[:3])
     lora = in_proj.adapter
-    assert set(lora.lora_a) == {"2"}  # the third component, v
+    assert set(lora.lora_a) == {"v"}  # the third component
     expected = x @ in_proj.weight.T
-    expected[:, start:stop] += lora.scale * (x @ lora.lora_a["2"].T @ lora.lora_b["2"].T)
+    expected[:, start:stop] += lora.scale * (x @ lora.lora_a["v"].T @ lora.lora_b["v"].T)
     torch.testing.assert_close(in_proj(x), expected, atol=1e-6, rtol=1e-5)

@@ -77,16 +77,17 @@ def save_adapters(model: Any, directory: str | Path, format_name: str, *, base_m
     for linear, adapter in adapters(model):
         if linear.name not in by_linear:
             raise ConversionError(f"linear {linear.name!r} has no module in the {format_name} format to adapt")
-        a = {key: _global(parameter, model) for key, parameter in adapter.lora_a.items()}
-        b = {key: _global(parameter, model) for key, parameter in adapter.lora_b.items()}
+        # By component index (`adapter.keys[i]` names component i).
+        a = {adapter.keys.index(key): _global(parameter, model) for key, parameter in adapter.lora_a.items()}
+        b = {adapter.keys.index(key): _global(parameter, model) for key, parameter in adapter.lora_b.items()}
         for target in by_linear[linear.name]:
-            enabled = [(c, rows) for c, rows in zip(target.components, target.rows) if str(c) in a]
+            enabled = [(c, rows) for c, rows in zip(target.components, target.rows) if c in a]
             if not enabled:
                 continue
-            stacked_a = torch.cat([a[str(c)] for c, _ in enabled])
+            stacked_a = torch.cat([a[c] for c, _ in enabled])
             stacked_b = torch.zeros(target.rows[-1].stop, config.rank * len(enabled))
             for index, (c, rows) in enumerate(enabled):
-                stacked_b[rows, index * config.rank : (index + 1) * config.rank] = b[str(c)]
+                stacked_b[rows, index * config.rank : (index + 1) * config.rank] = b[c]
             if len(enabled) > 1:
                 rank_pattern[target.module] = config.rank * len(enabled)
                 alpha_pattern[target.module] = config.alpha * len(enabled)
@@ -145,19 +146,20 @@ def load_adapters(model: Any, directory: str | Path, format_name: str) -> None:
             _, adapter = linears[target.linear]
             a, b = tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"]
             for component, rows in zip(target.components, target.rows):
-                if str(component) not in adapter.lora_a:
+                key = adapter.keys[component]
+                if key not in adapter.lora_a:
                     raise ConversionError(
-                        f"{directory}: module {module!r} adapts component {component} of {target.linear!r}, which "
+                        f"{directory}: module {module!r} adapts component {key} of {target.linear!r}, which "
                         "has no apply_peft in this model"
                     )
-                adapter.lora_a[str(component)].copy_(a)
-                adapter.lora_b[str(component)].copy_(b[rows])
+                adapter.lora_a[key].copy_(a)
+                adapter.lora_b[key].copy_(b[rows])
                 filled.add((target.linear, component))
     missing = [
         f"{name}.{key}"
         for name, (_, adapter) in linears.items()
         for key in adapter.lora_a
-        if (name, int(key)) not in filled
+        if (name, adapter.keys.index(key)) not in filled
     ]
     if missing:
         raise ConversionError(f"{directory}: no adapter tensors for {', '.join(missing)} of the blockzoo model")

@@ -33,9 +33,33 @@ if TYPE_CHECKING:
     from blockzoo.layers.linear import Linear
 
 
+def component_keys(linear: Linear) -> tuple[str, ...]:
+    """How the adapter of `linear` names its components: the names of a concatenated output's parts (`key`, `value`;
+    `gate`, `up`; Mamba's `z`, `x`, ...), `0` for a linear of one component (the index where names would clash)."""
+    dims, _ = linear.output_components(1)
+    names = tuple(dim.name for dim in dims)
+    if len(dims) == 1 or len(set(names)) < len(names) or not all(name.isidentifier() for name in names):
+        return tuple(str(index) for index in range(len(dims)))
+    return names
+
+
+def renamed_adapter_parameters(model: nn.Module) -> dict[str, str]:
+    """{name before, name now} of the adapter parameters whose name changed: checkpoints written before adapters
+    took their components' names hold `<linear>.adapter.lora_a.<index>`; loading them reads those as the new names."""
+    renamed = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoraAdapter):
+            for index, key in enumerate(module.keys):
+                if key != str(index) and key in module.lora_a:
+                    for part in ("lora_a", "lora_b"):
+                        renamed[f"{prefix}.{part}.{index}"] = f"{prefix}.{part}.{key}"
+    return renamed
+
+
 class LoraAdapter(nn.Module):
-    """The LoRA update of one linear. Parameters `lora_a.<component>` and `lora_b.<component>`, `<component>` the
-    index of the component in the linear's concatenated output (0 for a linear of one component)."""
+    """The LoRA update of one linear. Parameters `lora_a.<component>` and `lora_b.<component>`, `<component>` the name
+    of the component of the linear's concatenated output (`component_keys`: `value` of key‖value), `0` for a linear
+    of one component. `keys[i]` names component i."""
 
     def __init__(self, config: LoraConfig, linear: Linear, distributed: Distributed):
         super().__init__()
@@ -45,6 +69,7 @@ class LoraAdapter(nn.Module):
         self.dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
         components, local_slices = linear.output_components(distributed.tensor_size)
         self.local_slices = local_slices
+        self.keys = component_keys(linear)
         rank_dim = TensorDim("lora_rank", config.rank)
         bound = linear.input_dim.global_size**-0.5
         a_options = _gradient_options(linear, a=True)
@@ -55,15 +80,16 @@ class LoraAdapter(nn.Module):
             if not enabled:
                 continue
             settings = {"lr_scale": weight.lr_scale, "weight_decay": weight.weight_decay}
-            self.lora_a[str(index)] = create_parameter(
-                f"{linear.name}.adapter.lora_a.{index}",
+            key = self.keys[index]
+            self.lora_a[key] = create_parameter(
+                f"{linear.name}.adapter.lora_a.{key}",
                 (rank_dim, linear.input_dim),
                 ResolvedParameter(initialization=UniformInitializationConfig(low=-bound, high=bound), **settings),
                 distributed,
                 **a_options,
             )
-            self.lora_b[str(index)] = create_parameter(
-                f"{linear.name}.adapter.lora_b.{index}",
+            self.lora_b[key] = create_parameter(
+                f"{linear.name}.adapter.lora_b.{key}",
                 (dim, rank_dim),
                 ResolvedParameter(initialization=ZEROS, **settings),
                 distributed,
@@ -74,8 +100,7 @@ class LoraAdapter(nn.Module):
         """The update of this rank's local output for `input` (the linear's input once local to this rank)."""
         input = self.dropout(input)
         parts = []
-        for index, rows in enumerate(self.local_slices):
-            key = str(index)
+        for key, rows in zip(self.keys, self.local_slices):
             if key in self.lora_a:
                 a, b = self.lora_a[key].to(input.dtype), self.lora_b[key].to(input.dtype)
                 parts.append(F.linear(F.linear(input, a), b) * self.scale)
@@ -85,13 +110,14 @@ class LoraAdapter(nn.Module):
 
     def delta_weight(self, index: int) -> torch.Tensor:
         """scale · B A of component `index`: its update of this rank's rows (or columns) of the weight."""
-        return self.scale * (self.lora_b[str(index)] @ self.lora_a[str(index)])
+        key = self.keys[index]
+        return self.scale * (self.lora_b[key] @ self.lora_a[key])
 
     @torch.no_grad()
     def merge_into(self, weight: torch.Tensor, sign: float = 1.0) -> None:
         """Add (sign 1) or take back (sign -1) the update to this rank's shard of the linear's weight."""
         for index, rows in enumerate(self.local_slices):
-            if str(index) in self.lora_a:
+            if self.keys[index] in self.lora_a:
                 weight[rows] += sign * self.delta_weight(index).to(weight.dtype)
 
 
