@@ -10,12 +10,15 @@ Each contender runs in a process of its own, started from a clean state (its own
 ours is `python -m blockzoo prepare DIR --tokenizer tokenizer.json --eod-token '<|endoftext|>'` with its default
 workers (the usable CPUs); the peer loads the Parquet files with `datasets.load_dataset` (converting them to its
 Arrow cache, part of its work) then maps the batched tokenization over `--peer-processes` processes. Measured:
-wall seconds, tokens/s, and the peak of the process tree's memory: the sum over the contender's process and all
-its descendants of their proportional set size (PSS, /proc/PID/smaps_rollup: a page shared by k processes counts
-1/k to each), sampled every 20 ms. Then the token ids are checked equal: every document, in order, of our dataset
-(read through the memmap dataset's store) and of the peer's Arrow cache files (read with pyarrow).
+wall seconds, tokens/s, CPU seconds (user + system of the contender and the workers it waited for: tokens per CPU
+second does not depend on what else the machine runs, wall time does), and the peak of the process tree's memory:
+the sum over the contender's process and all its descendants of their proportional set size (PSS,
+/proc/PID/smaps_rollup: a page shared by k processes counts 1/k to each), sampled every 20 ms. Then the token ids
+are checked equal: every document, in order, of our dataset (read through the memmap dataset's store) and of the
+peer's Arrow cache files (read with pyarrow).
 
-`--repeats N` runs each N times, alternated; the figures are the best time and the highest peak of each.
+`--repeats N` runs each N times, alternated; the figures are the best time (wall and CPU) and the
+highest peak of each.
 Goal: ours >= 1.2x the peer's tokens/s at <= 0.5x its peak memory. `python benchmarks/prepare.py` (200 MB);
 `--tiny` (2 MB, a 2k vocabulary: a check of the script, tests/test_benchmarks.py). Run it on an idle machine.
 """
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -138,6 +142,7 @@ def tree_pss_kib(root: int) -> int:
 
 def run_measured(command: list[str], environment: dict[str, str] | None = None) -> dict:
     """Run a command; its wall seconds, the peak of its process tree's summed PSS, and its stdout."""
+    cpu_before = _children_cpu_seconds()
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     peak = 0
@@ -157,7 +162,14 @@ def run_measured(command: list[str], environment: dict[str, str] | None = None) 
     sampler.join()
     if process.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed ({process.returncode}):\n{stderr[-3000:]}")
-    return {"seconds": seconds, "peak_mib": peak / 1024, "stdout": stdout}
+    cpu = _children_cpu_seconds() - cpu_before
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_mib": peak / 1024, "stdout": stdout}
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU time of the waited-for descendants (a contender and the workers it waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- the check ---------------------------------------------------------------------------------------------------------
@@ -255,6 +267,7 @@ def run(arguments: argparse.Namespace) -> None:
         runs["peer"].append(run_measured(peer_command, {**os.environ, "TQDM_DISABLE": "1"}))
     ours, peer = (
         {"seconds": min(run["seconds"] for run in runs[name]), "peak_mib": max(run["peak_mib"] for run in runs[name]),
+         "cpu_seconds": min(run["cpu_seconds"] for run in runs[name]),
          "all_seconds": [round(run["seconds"], 1) for run in runs[name]], "stdout": runs[name][-1]["stdout"]}
         for name in ("ours", "peer")
     )  # fmt: skip
@@ -266,13 +279,15 @@ def run(arguments: argparse.Namespace) -> None:
     print(f"best of {arguments.repeats} runs each (seconds of every run: ours {ours['all_seconds']}, peer "
           f"{peer['all_seconds']}); peak: the highest; load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")  # fmt: skip
-    print(f"{'contender':<48} {'seconds':>8} {'tokens/s':>12} {'peak MiB':>9}")
+    print(f"{'contender':<40} {'seconds':>8} {'tokens/s':>12} {'CPU s':>8} {'tokens/CPU s':>13} {'peak MiB':>9}")
     rows = {"ours (blockzoo prepare)": ours, f"datasets map (num_proc={arguments.peer_processes})": peer}
     for name, figures in rows.items():
-        rate = tokens / figures["seconds"]
-        print(f"{name:<48} {figures['seconds']:>8.2f} {rate:>12,.0f} {figures['peak_mib']:>9.0f}")
+        rate, cpu_rate = tokens / figures["seconds"], tokens / figures["cpu_seconds"]
+        print(f"{name:<40} {figures['seconds']:>8.2f} {rate:>12,.0f} {figures['cpu_seconds']:>8.1f} "
+              f"{cpu_rate:>13,.0f} {figures['peak_mib']:>9.0f}")  # fmt: skip
     speed, memory = peer["seconds"] / ours["seconds"], ours["peak_mib"] / peer["peak_mib"]
-    print(f"ours / peer: {speed:.2f}x the tokens/s (goal >= 1.2), {memory:.2f}x the peak memory (goal <= 0.5)")
+    print(f"ours / peer: {speed:.2f}x the tokens/s (goal >= 1.2), {memory:.2f}x the peak memory (goal <= 0.5), "
+          f"{peer['cpu_seconds'] / ours['cpu_seconds']:.2f}x the tokens per CPU second")  # fmt: skip
     if arguments.json:
         record = {"tokens": tokens, "ours": ours, "peer": peer, "speed_ratio": speed, "memory_ratio": memory}
         for figures in (ours, peer):

@@ -182,6 +182,9 @@ def _start_worker(progress: Any) -> None:
     _worker_progress = progress
     # One tokenizing thread per worker: the workers are the parallelism (`tokenizers` would start one per CPU).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # pyarrow (imported later, when a worker reads a columnar file) on the C allocator: a worker's peak measured
+    # 22 MiB lower than on pyarrow's default, mimalloc, which keeps freed batches, for the same CPU time.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 
 def _run_job(job: _Job) -> dict[str, Any]:
