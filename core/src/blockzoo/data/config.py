@@ -136,8 +136,9 @@ class BlendedDatasetConfig(DatasetConfig):
     split interleaves the held-out samples of the sources that have some, by the same rule among them, up to the
     first that runs out."""
 
+    # Required: a blend of nothing has no default to build (`blockzoo plugins --check` builds only types that have).
     sources: dict[str, BlendSourceConfig] = field(
-        factory=dict, doc="The sources by name (the names `source_tokens` in the metrics file uses)."
+        doc="The sources by name (the names `source_tokens` in the metrics file uses)."
     )
 
     def __attrs_post_init__(self) -> None:
