@@ -18,11 +18,13 @@ Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_par
   default config builds, the config and hook modules import no torch;
 - the layer: output shape and dtype (fp32 and bf16), construction on the meta device then `materialize`, packed
   documents equal separate runs (outputs and gradients), a padded batch (what CUDA graphs run) equals the exact one,
-  every config field changes the parameters or the outputs, every trainable parameter receives a gradient;
+  every config field changes the parameters or the outputs, every trainable parameter receives a gradient, the layer
+  survives deepcopy, .to(dtype), .to("meta") and a state_dict round trip;
 - declared capabilities: `tensor_parallel` (and `sequence_tensor_parallel`) on gloo ranks against one process,
   outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
   `sequence_data_parallel`: the batch cut into slices run one after the other (`forward_slice`, carries passed on)
-  equals the whole forward, and split over gloo ranks (with and without micro-sequences) equals one process;
+  equals the whole forward, and split over 2 and 4 gloo ranks (with and without micro-sequences) equals one process,
+  on generated batches whose every slice continues a document (`blockzoo.testing.layouts`);
 - a model using the layer survives a checkpoint save / load; `flops` is reported and scales with the tokens.
 
 The pieces these checks are made of serve a plugin's own tests too: `blockzoo.testing.layers` (build a layer, run
