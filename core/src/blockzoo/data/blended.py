@@ -96,6 +96,8 @@ class BlendIndex:
 
 
 class BlendedDataset(Dataset):
+    evaluation_hint = "hold out documents of a source (its validation_fraction, in data.sources)"
+
     def __init__(self, config: BlendedDatasetConfig, *, seed: int, model_vocab_size: int | None = None):
         super().__init__(config, seed=seed)
         self.names = list(config.sources)

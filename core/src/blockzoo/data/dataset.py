@@ -76,6 +76,8 @@ class Dataset:
     tokenizer: Tokenizer | None = None  # to decode generated tokens; None when the data has no text
     # Where a dataset says what the run should know (a source read whole, ...); `build_dataset(log=...)` sets it.
     logger: Callable[[str], None] | None = None
+    # How to make the evaluation split larger, said when it is too small.
+    evaluation_hint = "raise data.validation_fraction"
 
     def __init__(self, config: DatasetConfig, *, seed: int):
         self.config = config
@@ -124,7 +126,7 @@ class Dataset:
             raise DatasetError(
                 f"the evaluation split holds {total} sequences of {self.config.sequence_length} tokens, fewer than "
                 f"one micro-batch on each of {ranks} data-parallel ranks ({per_round}); "
-                "raise data.validation_fraction or lower data.micro_batch_size"
+                f"{self.evaluation_hint} or lower data.micro_batch_size"
             )
         starts = itertools.count(0, per_round) if total is None else range(0, total - per_round + 1, per_round)
         return (_micro_batch(self, self.evaluation_sample, start, rank, ranks) for start in starts)
