@@ -296,3 +296,23 @@ def test_every_bad_blend_is_an_exit_2_error_naming_the_source(sources, tmp_path,
         env={key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")},
     )
     assert result.returncode == 2 and "data.sources.code.weight" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_blockzoo_config_builds_the_blend_and_names_a_bad_source(sources, tmp_path, capsys):
+    run = run_data(MODEL, data=_blend(sources), training={"evaluation": {"interval": 5}})
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(run))
+    assert main(["config", str(good)]) == 0
+    assert "the blended data: built, a first micro-batch of each split" in capsys.readouterr().err
+    run["data"]["sources"]["code"]["path"] = str(tmp_path / "absent")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(run))
+    assert main(["config", str(bad)]) == 2
+    error = capsys.readouterr().err
+    assert "blended data source 'code'" in error and "no dataset at" in error and "Traceback" not in error
+    # Data holding nothing out, with validation sets named: no evaluation split is asked of it.
+    held_nothing = {**_blend(sources), "sources": {"web": {"weight": 1, "path": sources["web"]}}}
+    evaluation = {"interval": 5, "datasets": {"code": {"path": sources["code"], "validation_fraction": 0.2}}}
+    named = tmp_path / "named.yaml"
+    named.write_text(yaml.safe_dump(run_data(MODEL, data=held_nothing, training={"evaluation": evaluation})))
+    assert main(["config", str(named)]) == 0, capsys.readouterr().err
