@@ -240,3 +240,15 @@ def test_a_tracker_that_does_not_finish_is_left_behind_and_said(tmp_path, monkey
         "tracker 'stuck' failed: did not finish within 0.5 s (left running in the background); the run trains on "
         "without it (training.trackers_required: true stops it instead)"
     ]
+
+
+def test_with_trackers_required_a_tracker_that_takes_no_entry_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(tracking, "QUEUE_SIZE", 2)
+    monkeypatch.setattr(tracking, "WAIT_SECONDS", 0.5)
+    monkeypatch.setattr(tracking, "FINISH_SECONDS", 0.5)
+    config = tiny_run_config(tmp_path, probes(("slow", ", block_in_log: true")), "training.trackers_required=true")
+    with pytest.raises(TrainingError) as error:
+        train_tiny(config)
+    assert str(error.value) == (
+        "tracker 'slow' failed: took no entry for 0.5 s (its queue of 2 is full) (training.trackers_required is set)"
+    )

@@ -9,11 +9,13 @@ its own background thread, fed through a bounded queue, so a slow `wandb.init` o
 loop a queue put. A tracker that fails (its library missing, its directory not writable, an exception in it) is
 reported once, on the training's own log, and is not called again; a tracker that falls behind by a whole queue
 loses entries (said once) rather than holding the step. With `trackers_required`, any failure is a `TrackingError`
-naming the tracker, raised in the training loop at the next call, and a full queue waits instead of dropping.
+naming the tracker, raised in the training loop at the next call; the trackers' start is waited for before the
+first step, and a full queue waits instead of dropping (each at most `WAIT_SECONDS`, then a failure too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -31,6 +33,7 @@ from blockzoo.training.tracking_config import TrackerConfig
 
 QUEUE_SIZE = 1024  # logged steps a tracker may fall behind by before its entries are dropped
 FINISH_SECONDS = 120.0  # how long the end of a run waits for a tracker to write what it holds and finish
+WAIT_SECONDS = 120.0  # with trackers_required: how long a start, or a full queue, may hold the run
 
 
 @attrs.frozen(kw_only=True)
@@ -162,12 +165,14 @@ class _Worker:
     def submit(self, call: Callable[[], None]) -> None:
         if self.failure is not None:
             return
-        if self.blocking:
-            self._calls.put(call)
-            return
         try:
-            self._calls.put_nowait(call)
+            if self.blocking:
+                self._calls.put(call, timeout=WAIT_SECONDS)
+            else:
+                self._calls.put_nowait(call)
         except queue.Full:
+            if self.blocking:
+                self.failure = f"took no entry for {WAIT_SECONDS:g} s (its queue of {QUEUE_SIZE} is full)"
             self.dropped += 1
 
     def wait(self, seconds: float | None) -> bool:
@@ -177,7 +182,8 @@ class _Worker:
         return done.wait(seconds)
 
     def stop(self) -> None:
-        self._calls.put(_FINISH)
+        with contextlib.suppress(queue.Full):  # a tracker still stuck in a call keeps its thread: a daemon
+            self._calls.put_nowait(_FINISH)
 
 
 class Trackers:
@@ -206,12 +212,9 @@ class Trackers:
             self._workers.append(worker)
         if required:  # a tracker the run needs must have started before the first step
             for worker in self._workers:
-                worker.wait(None)
+                if not worker.wait(WAIT_SECONDS) and worker.failure is None:
+                    worker.failure = f"did not start within {WAIT_SECONDS:g} s"
         self.check()
-
-    @property
-    def names(self) -> list[str]:
-        return [worker.name for worker in self._workers]
 
     def log(self, step: int, entry: Mapping[str, Any]) -> None:
         entry = dict(entry)  # the trackers' own copy: the loop may reuse its dict
