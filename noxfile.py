@@ -188,8 +188,9 @@ def docs(session: nox.Session) -> None:
     installed without their dependencies: the config reference is generated from their config modules, which import
     no torch, and the API reference from the sources (docs_hooks.py)."""
     session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
-    session.install("pluggy>=1.5", "attrs>=23.1", "cattrs>=24.1", "pyyaml>=6", "packaging>=23")
-    session.install("--no-deps", *(f"{folder}" for folder in distributions().values()))
+    session.install("pluggy>=1.5", "attrs>=23.1", "cattrs>=24.1", "pyyaml>=6", "packaging>=23", "setuptools>=77")
+    folders = [str(ROOT / folder) for folder in distributions().values()]
+    session.install("--no-deps", "--no-build-isolation", *folders)
     session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
