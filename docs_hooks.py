@@ -13,14 +13,14 @@ import ast
 import re
 from pathlib import Path
 
-from mkdocs.structure.files import File, Files
-
 ROOT = Path(__file__).parent
 SOURCE = ROOT / "core" / "src" / "blockzoo"
 HOME = "https://github.com/blockzoo/blockzoo"
 
 
-def on_files(files: Files, config) -> Files:
+def on_files(files, config):
+    from mkdocs.structure.files import File  # here: the tests import this module where mkdocs is not installed
+
     files.append(File.generated(config, "api-reference.md", content=api_reference()))
     return files
 
