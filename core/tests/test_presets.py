@@ -1,7 +1,7 @@
-"""Presets: registration by plugins (a third party's, conflicts, names, a plugin of an older API without the hook),
-`model: {preset: ...}` with overrides and their errors, `blockzoo models`, `blockzoo init PRESET` and `blockzoo config`
-through the CLI, the memory estimate, and docs/models.md kept current. The checks against transformers are
-converters/huggingface/tests/test_presets.py."""
+"""Presets with the core alone: registration by plugins (a third party's, conflicts, names, a plugin of an older API
+without the hook), `model: {preset: ...}` with overrides and their errors, `blockzoo models`, `blockzoo init PRESET`
+and `blockzoo config` through the CLI, the memory estimate. The first-party catalogue (every plugin installed):
+tests/test_presets_catalogue.py; the checks against transformers: converters/huggingface/tests/test_presets.py."""
 
 from __future__ import annotations
 
@@ -16,37 +16,27 @@ import blockzoo
 from blockzoo import memory, plugins, preset_catalogue, presets
 from blockzoo.api import PluginInfo, Preset, hookimpl
 from blockzoo.cli import main
-from blockzoo.config import ConfigError, load, structure, to_dict, to_yaml
+from blockzoo.config import ConfigError, load, structure, to_yaml
 from blockzoo.errors import UsageError
-from blockzoo.model.config import ModelConfig
 from blockzoo.plugins import PLUGIN_API, PluginRecord, Registry, register_plugin
 from blockzoo.run_config import RunConfig
 
 DOCS = Path(__file__).parents[2] / "docs" / "models.md"
 
-# A third party's architecture, written as blockzoo model-config data.
-VOCAB, HIDDEN, HEADS, HEAD_GROUPS, HEAD_SIZE, INTERMEDIATE, LAYERS = 256, 32, 4, 2, 8, 64, 3
+# A third party's architecture, written as blockzoo model-config data of the core's own types (no mixer, no MLP:
+# the core alone has no other), and its parameters counted by hand: the embedding table, the output weight (untied)
+# and the final norm.
+VOCAB, HIDDEN, LAYERS = 256, 32, 3
 TINY = {
     "hidden_size": HIDDEN,
-    "tied_embedding_weight": True,
     "embeddings": {"vocab_size": VOCAB},
     "decoder": {
         "type": "fixed",
         "num_blocks": LAYERS,
-        "block": {
-            "mixer": {"type": "attention", "heads": HEADS, "head_groups": HEAD_GROUPS, "head_size": HEAD_SIZE},
-            "mlp": {"type": "mlp", "intermediate_size": INTERMEDIATE, "gated": True},
-        },
+        "block": {"mixer": {"type": "none"}, "mlp": {"type": "none"}, "normalization": {"epsilon": 1.0e-6}},
     },
 }
-# Counted by hand: the embedding (tied), per layer the query, key, value and output projections, the gated MLP's
-# three matrices and two norms, and the final norm.
-TINY_PARAMETERS = (
-    VOCAB * HIDDEN
-    + LAYERS
-    * (HIDDEN * HEADS * HEAD_SIZE * 2 + HIDDEN * HEAD_GROUPS * HEAD_SIZE * 2 + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN)
-    + HIDDEN
-)
+TINY_PARAMETERS = 2 * VOCAB * HIDDEN + HIDDEN
 
 
 def plugin(api_version=PLUGIN_API, **hooks) -> types.ModuleType:
@@ -63,7 +53,7 @@ def tiny(**changes) -> Preset:
         config=TINY,
         parameters=TINY_PARAMETERS,
         source="ours: a test architecture",
-        requires=("blockzoo-attention", "blockzoo-mlp"),
+        requires=("blockzoo",),
     )
     return Preset(**(fields | changes))
 
@@ -110,7 +100,7 @@ def test_a_preset_registered_by_two_plugins_is_used_by_neither(monkeypatch):
 
 
 def test_a_preset_needing_a_missing_distribution_is_listed_with_what_to_install(fresh_registry, capsys, tmp_path):
-    register("acme.far", tiny(requires=("blockzoo-attention", "blockzoo-not-installed")))
+    register("acme.far", tiny(requires=("blockzoo", "blockzoo-not-installed")))
     code, out, _ = run_cli(capsys, "models")
     line = next(line for line in out.splitlines() if line.startswith("acme.far"))
     assert code == 0 and line.endswith("no: pip install blockzoo-not-installed")
@@ -125,26 +115,26 @@ def test_a_plugin_of_an_older_plugin_api_without_the_hook_loads_unchanged(fresh_
     for version in ((1, 0), (1, 1)):
         record = register_plugin(plugin(api_version=version), f"old{version[1]}")
         assert record.status == "loaded", record.error
-    assert "qwen3_0_6b" in presets.names()  # the first-party presets are still there
+    assert presets.names() == sorted(presets.names())
 
 
-def test_overrides_merge_into_the_preset_s_own_types():
-    preset = presets.model_config("qwen3_proxy_125m")
-    changes = {"decoder": {"num_blocks": 2, "block": {"mixer": {"rotary": {"theta": 5.0e6}}}}}
-    changed = presets.model_config("qwen3_proxy_125m", changes)
-    assert changed.decoder.num_blocks == 2 and preset.decoder.num_blocks == 12
-    mixer, original = changed.decoder.block.mixer, preset.decoder.block.mixer
-    assert mixer.rotary.theta == 5.0e6 and type(mixer.rotary) is type(original.rotary)
-    # Everything not overridden is the preset's: the query/key norms, head sizes, the MLP.
-    assert to_dict(mixer) | {"rotary": None} == to_dict(original) | {"rotary": None}
-    assert changed.decoder.block.mlp == preset.decoder.block.mlp and changed.embeddings == preset.embeddings
+def test_overrides_merge_into_the_preset_s_own_types(fresh_registry):
+    register("acme.tiny", tiny())
+    preset = presets.model_config("acme.tiny")
+    changed = presets.model_config("acme.tiny", {"decoder": {"num_blocks": 1}, "embeddings": {"vocab_size": 512}})
+    assert changed.decoder.num_blocks == 1 and preset.decoder.num_blocks == LAYERS
+    assert changed.embeddings.vocab_size == 512 and changed.hidden_size == HIDDEN
+    # The block keeps the preset's own types and values (its norm's epsilon is not the default).
+    assert changed.decoder.block == preset.decoder.block and preset.decoder.block.normalization.epsilon == 1.0e-6
+    assert changed.preset == "acme.tiny"
 
 
-def test_a_preset_run_config_round_trips_through_its_explicit_form():
-    run_config = structure({"model": {"preset": "llama3_proxy_200m", "decoder": {"num_blocks": 3}}}, RunConfig)
+def test_a_preset_run_config_round_trips_through_its_explicit_form(fresh_registry):
+    register("acme.tiny", tiny())
+    run_config = structure({"model": {"preset": "acme.tiny", "decoder": {"num_blocks": 1}}}, RunConfig)
     explicit = yaml.safe_load(to_yaml(run_config, explicit_only=True))
     # The preset and the sections given (whole: they were completed from the preset), not the rest of the model.
-    assert explicit["model"]["preset"] == "llama3_proxy_200m" and explicit["model"]["decoder"]["num_blocks"] == 3
+    assert explicit["model"]["preset"] == "acme.tiny" and explicit["model"]["decoder"]["num_blocks"] == 1
     assert "hidden_size" not in explicit["model"] and "embeddings" not in explicit["model"]
     assert structure(explicit, RunConfig) == run_config
 
@@ -152,47 +142,55 @@ def test_a_preset_run_config_round_trips_through_its_explicit_form():
 @pytest.mark.parametrize(
     ("model", "path", "message"),
     [
-        ({"preset": "qwen3_0_6x"}, "model.preset", "unknown preset 'qwen3_0_6x'; did you mean 'qwen3_0_6b'?"),
+        ({"preset": "acme.tiyn"}, "model.preset", "unknown preset 'acme.tiyn'; did you mean 'acme.tiny'?"),
         ({"preset": 3}, "model.preset", "a preset name is a string"),
-        ({"preset": "qwen3_0_6b", "pretrained": "somewhere"}, "model.preset", "either a preset or a pretrained"),
-        ({"preset": "qwen3_0_6b", "decoder": {"block": {"mixer": {"heds": 4}}}}, "model.decoder.block.mixer.heds", ""),
-        ({"preset": "qwen3_0_6b", "decoder": {"num_blocks": 0}}, "model.decoder.num_blocks", ""),
+        ({"preset": "acme.tiny", "pretrained": "somewhere"}, "model.preset", "either a preset or a pretrained"),
+        (
+            {"preset": "acme.tiny", "decoder": {"block": {"normalization": {"epsilom": 1}}}},
+            "model.decoder.block.normalization.epsilom",
+            "",
+        ),
+        ({"preset": "acme.tiny", "decoder": {"num_blocks": 0}}, "model.decoder.num_blocks", ""),
     ],
 )
-def test_override_errors_name_the_field(model, path, message):
+def test_override_errors_name_the_field(fresh_registry, model, path, message):
+    register("acme.tiny", tiny())
     with pytest.raises(ConfigError) as raised:
         structure({"model": model}, RunConfig)
     assert any(where == path and message in text for where, text in raised.value.errors), raised.value.errors
 
 
-def test_blockzoo_models_lists_every_preset_with_its_counts(capsys):
+def test_blockzoo_models_lists_every_preset_with_its_counts(fresh_registry, capsys):
+    register("acme.tiny", tiny(active_parameters=TINY_PARAMETERS // 2, published_parameters="16K"))
     code, out, _ = run_cli(capsys, "models")
-    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
-    assert code == 0 and sorted(lines) == presets.names()
-    assert "46.7B" in lines["mixtral_8x7b"] and "12.9B" in lines["mixtral_8x7b"] and "mixtral" in lines["mixtral_8x7b"]
-    assert " ours " in lines["qwen3_proxy_125m"]
+    header, *lines = out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines}
+    assert code == 0 and header.split() == list(preset_catalogue.COLUMNS) and sorted(rows) == presets.names()
+    assert rows["acme.tiny"] == ["acme.tiny", "Acme", "16.4K", "8.21K", "16K", "acme", "-", "yes"]
 
 
-def test_blockzoo_init_writes_a_run_config_that_blockzoo_config_checks(capsys, tmp_path):
+def test_blockzoo_init_writes_a_run_config_that_blockzoo_config_checks(fresh_registry, capsys, tmp_path):
+    big = 8_000_000_000  # stated, not built: init sizes the layout from the preset's count
+    register("acme.tiny", tiny(parameters=big))
     output = tmp_path / "run.yaml"
-    code, _, err = run_cli(capsys, "init", "llama3_1_8b", "--output", str(output))
-    assert code == 0 and "the llama3_1_8b preset" in err
+    code, _, err = run_cli(capsys, "init", "acme.tiny", "--output", str(output))
+    assert code == 0 and "the acme.tiny preset" in err
     run_config = load(RunConfig, output)
-    assert run_config.model == presets.model_config("llama3_1_8b")
-    assert run_config.distributed.zero_stage == 3
-    text = output.read_text()
-    assert "--nproc-per-node 4" in text and "8,030,261,248 parameters" in text
+    assert run_config.model == presets.model_config("acme.tiny") and run_config.distributed.zero_stage == 3
+    # 16 bytes a parameter, 48 GiB of each GPU: 8e9 × 16 / 48 GiB = 2.48, so 4 processes (a power of two).
+    assert "--nproc-per-node 4" in output.read_text() and "8,000,000,000 parameters" in output.read_text()
     code, out, err = run_cli(capsys, "config", str(output), "--processes", "4")
-    assert code == 0 and "preset: llama3_1_8b" in out
-    # 16 bytes a parameter, ZeRO 3 over 4 ranks: 8,030,261,248 × 16 / 4 bytes.
-    assert f"{8_030_261_248 * 16 / 4 / 2**30:,.1f} GiB per rank" in err
-    code, _, err = run_cli(capsys, "init", "llama3_1_8b", "--output", str(output))
+    assert code == 0 and "preset: acme.tiny" in out
+    # What the model built holds (not the stated count), 16 bytes a parameter, ZeRO 3 over 4 ranks.
+    assert f"{TINY_PARAMETERS * 16 / 4 / 2**30:,.1f} GiB per rank" in err
+    code, _, err = run_cli(capsys, "init", "acme.tiny", "--output", str(output))
     assert code == 2 and "exists" in err
 
 
-def test_a_small_preset_runs_on_one_process(capsys, tmp_path):
+def test_a_small_preset_runs_on_one_process(fresh_registry, capsys, tmp_path):
+    register("acme.tiny", tiny())
     output = tmp_path / "small.yaml"
-    assert run_cli(capsys, "init", "qwen3_proxy_125m", "-o", str(output))[0] == 0
+    assert run_cli(capsys, "init", "acme.tiny", "-o", str(output))[0] == 0
     run_config = load(RunConfig, output)
     assert run_config.distributed.zero_stage == 0 and "blockzoo train THIS_FILE" in output.read_text()
 
@@ -205,15 +203,3 @@ def test_the_memory_estimate_splits_each_part_as_its_zero_stage_does():
     )
     assert memory.per_rank(parameters, data_parallel=4, zero_stage=2) == memory.RankMemory(4e6, 1e6, 2e6)
     assert memory.per_rank(parameters, data_parallel=4, zero_stage=3).total == 4e6
-
-
-def test_docs_models_md_is_generated_from_the_catalogue():
-    expected = preset_catalogue.markdown(preset_catalogue.rows())
-    assert DOCS.read_text() == expected, "regenerate: blockzoo models --markdown > docs/models.md"
-
-
-def test_every_published_preset_names_its_source_and_its_published_figure():
-    for name in presets.names():
-        preset = presets.get(name)
-        assert preset.source.startswith("https://huggingface.co/") or (preset.ours and preset.source.startswith("ours"))
-        assert isinstance(presets.model_config(name), ModelConfig)

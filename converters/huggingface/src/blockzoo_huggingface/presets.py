@@ -238,8 +238,10 @@ QWEN_3_NEXT_80B_A3B = {
     "vocab_size": 151936,
 }
 QWEN_NEXT_NOTE = (
-    "The multi-token-prediction layer of the published checkpoint is not part of the model transformers builds, nor "
-    "of this preset. intermediate_size (5120) is used by no layer: every layer is a MoE (mlp_only_layers is empty)."
+    "Not checked against a stored copy of the config.json: rope_theta, max_position_embeddings and intermediate_size "
+    "(the shapes are those transformers' Qwen3NextConfig documents for this model). The multi-token-prediction "
+    "layer of the published checkpoint is not part of the model transformers builds, nor of this preset. "
+    "intermediate_size (5120) is used by no layer: every layer is a MoE (mlp_only_layers is empty)."
 )
 
 
@@ -339,6 +341,36 @@ def presets() -> dict[str, Preset]:
             num_attention_heads=4,
             mamba_n_heads=12,
             mamba_d_ssm=768,
+            num_hidden_layers=12,
+        ),
+        "nemotron_h_proxy_260m": _proxy(
+            "Nemotron-H",
+            "nemotron_h_8b",
+            NEMOTRON_H_8B,
+            263_694_000,
+            NEMOTRON_REQUIRES,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+            mamba_num_heads=24,
+            hybrid_override_pattern="M-M-M*-M-M-M*-",
+            num_hidden_layers=14,
+        ),
+        "granite_4_0_h_proxy_370m": _proxy(
+            "Granite 4.0",
+            "granite_4_0_h_tiny",
+            GRANITE_4_0_H_TINY,
+            372_832_208,
+            GRANITE_REQUIRES,
+            active=202_962_896,
+            hidden_size=768,
+            num_attention_heads=12,
+            mamba_n_heads=24,
+            num_local_experts=16,
+            num_experts_per_tok=4,
+            layer_types=["mamba"] * 5 + ["attention"] + ["mamba"] * 5 + ["attention"],
             num_hidden_layers=12,
         ),
         "qwen3_next_proxy_320m": _proxy(

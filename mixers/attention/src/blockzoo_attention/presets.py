@@ -191,6 +191,18 @@ def presets() -> dict[str, Preset]:
             num_key_value_heads=4,
             num_hidden_layers=12,
         ),
+        "mistral_proxy_150m": _proxy(
+            "Mistral",
+            "mistral_7b",
+            MISTRAL_7B,
+            152_980_224,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            num_hidden_layers=12,
+            sliding_window=1024,
+        ),
         "qwen3_proxy_125m": _proxy(
             "Qwen3",
             "qwen3_0_6b",

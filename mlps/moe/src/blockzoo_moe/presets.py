@@ -168,6 +168,18 @@ def presets() -> dict[str, Preset]:
             requires=MLA_REQUIRES,
             notes=DEEPSEEK_NOTE,
         ),
+        "mixtral_proxy_520m": _proxy(
+            "Mixtral",
+            "mixtral_8x7b",
+            MIXTRAL_8X7B,
+            521_104_128,
+            181_365_504,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            num_hidden_layers=12,
+        ),
         "qwen3_moe_proxy_330m": _proxy(
             "Qwen3",
             "qwen3_30b_a3b",
