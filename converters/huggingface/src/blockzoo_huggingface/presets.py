@@ -198,9 +198,9 @@ GRANITE_4_0_H_TINY = {
     "vocab_size": 100352,
 }
 GRANITE_NOTE = (
-    "The published normalization_function (rmsnorm) is left out: the format implies it. Not checked against a stored "
-    "copy of the config.json: the places of the 4 attention layers among the 40 and the multipliers (they change no "
-    "parameter count)."
+    "The published normalization_function (rmsnorm) is left out: the format implies it. The attention layers are at "
+    "5, 15, 25 and 35, the 9:1 layout published for the family (Granite 4.0 H-Small's positions); not checked against "
+    "a stored copy of this config.json: those positions and the multipliers (they change no parameter count)."
 )
 
 # -- Qwen3-Next 80B-A3B: Gated DeltaNet and gated attention (3:1), every layer a MoE with a gated shared expert.
