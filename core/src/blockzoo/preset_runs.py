@@ -76,6 +76,6 @@ def run_config_text(name: str) -> str:
 
 def description(entry: presets.PresetEntry) -> str:
     preset = entry.preset
-    kind = "ours" if preset.ours else preset.published_parameters
+    kind = "ours, not a published model" if preset.ours else f"published: {preset.published_parameters}"
     note = "" if entry.available else f" (unavailable: {entry.install_hint()})"
     return f"{preset.family}, {presets.describe_count(preset.parameters)} parameters ({kind}){note}"
