@@ -316,3 +316,27 @@ def test_blockzoo_config_builds_the_blend_and_names_a_bad_source(sources, tmp_pa
     named = tmp_path / "named.yaml"
     named.write_text(yaml.safe_dump(run_data(MODEL, data=held_nothing, training={"evaluation": evaluation})))
     assert main(["config", str(named)]) == 0, capsys.readouterr().err
+
+
+def test_the_walkthrough_example_prepares_its_sources_and_trains(tmp_path, capsys):
+    """examples/blended_data.py makes and prepares the sources; examples/blended.yaml trains on them (a few short
+    steps here), logging every named validation set and source_tokens."""
+    for needed in ("pyarrow", "zstandard", "tokenizers"):  # what the example's data needs (blockzoo[datasets])
+        pytest.importorskip(needed)
+    root = Path(__file__).resolve().parent.parent
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, str(root / "examples" / "blended_data.py"), "--output", str(data)],
+        check=True,
+        capture_output=True,
+        env={key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")},
+    )
+    paths = [f"data.sources.{name}.path={data / name}" for name in ("web", "code", "math")]
+    paths += [f"training.evaluation.datasets.{name}.path={data / name}" for name in ("web", "code", "math_val")]
+    output = tmp_path / "run"
+    short = ["training.train_iters=2", "training.evaluation.interval=2", "training.evaluation.iters=1"]
+    short += ["data.sequence_length=64", "data.micro_batch_size=2", f"training.output_dir={output}"]
+    assert main(["train", str(root / "examples" / "blended.yaml"), *paths, *short]) == 0, capsys.readouterr().err
+    (entry,) = [entry for entry in _metrics(output) if entry["step"] == 2]
+    assert {"evaluation_loss", "evaluation_loss/web", "evaluation_loss/code", "evaluation_loss/math_val"} <= set(entry)
+    assert entry["source_tokens"] == {"web": 2 * 64, "code": 64, "math": 64}  # 4 sequences: 0.6 / 0.25 / 0.15
