@@ -1,7 +1,7 @@
 """The first-party presets, every plugin installed: `blockzoo models` lists each (and docs/models.md is generated from
 it), overrides merge into a published preset's own types, `blockzoo init` of a large one lays it over several
 processes and `blockzoo config` reports that layout's memory, `blockzoo.build` takes a preset's name. The counts
-against transformers: converters/huggingface/tests/test_presets.py."""
+against transformers: converters/huggingface/tests/test_presets_against_transformers.py."""
 
 from __future__ import annotations
 

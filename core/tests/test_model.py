@@ -300,7 +300,7 @@ def test_every_field_of_the_model_configs_has_a_case():
     assert core_types <= MODEL_CONFIG_CLASSES
     declared = {(cls, attribute.name) for cls in MODEL_CONFIG_CLASSES for attribute in attrs.fields(cls)}
     # `pretrained` names a checkpoint on disk: test_pretrained_starts_from_the_saved_weights covers it; `preset` names
-    # an architecture whose fields are the others: core/tests/test_presets.py covers it.
+    # an architecture whose fields are the others: core/tests/test_presets_registry.py covers it.
     assert declared - {(ModelConfig, "pretrained"), (ModelConfig, "preset")} == set(FIELD_CASES)
 
 

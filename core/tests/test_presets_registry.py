@@ -1,7 +1,8 @@
 """Presets with the core alone: registration by plugins (a third party's, conflicts, names, a plugin of an older API
 without the hook), `model: {preset: ...}` with overrides and their errors, `blockzoo models`, `blockzoo init PRESET`
 and `blockzoo config` through the CLI, the memory estimate. The first-party catalogue (every plugin installed):
-tests/test_presets_catalogue.py; the checks against transformers: converters/huggingface/tests/test_presets.py."""
+tests/test_presets_catalogue.py; the checks against transformers:
+converters/huggingface/tests/test_presets_against_transformers.py."""
 
 from __future__ import annotations
 
