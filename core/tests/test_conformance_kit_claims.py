@@ -15,7 +15,10 @@ fails it with the kit's defaults, and the right one passes.
   and `length_bound` fail the default checks there.
 """
 
+import json
+import os
 import re
+import subprocess
 import sys
 from itertools import accumulate
 from pathlib import Path
@@ -222,3 +225,43 @@ def test_a_layer_survives_copy_cast_move_and_state_dict(kit_plugins):
 def test_a_layer_hiding_module_apply_fails_the_transforms_check(kit_plugins):
     with pytest.raises(ConformanceError, match=r"^\.to\(torch\.float64\) raised TypeError: .*a helper named `_apply`"):
         kit("kitrec.hides_apply").test_survives_module_transforms()
+
+
+@pytest.fixture(scope="module")
+def outdated_site(tmp_path_factory) -> Path:
+    """The outdated plugin installed with pip into a directory of its own (only the CLI below sees it)."""
+    target = tmp_path_factory.mktemp("site")
+    plugin = Path(__file__).parent / "plugins" / "outdated"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            target,
+            plugin,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def test_blockzoo_plugins_reports_the_outdated_claim_as_failed(outdated_site):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BLOCKZOO_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(outdated_site), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "blockzoo", "plugins"]
+    listed = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    record = next(plugin for plugin in json.loads(listed.stdout)["plugins"] if plugin["name"] == "outdated")
+    assert record["status"] == "failed" and record["api_version"] == "1.0"
+    assert record["error"].startswith(OLD_API.format(claimers="plugin_info, outdated.retention"))
+    # Listed as failed (not loaded, not incompatible), with the reason; strict mode makes it an error.
+    checked = subprocess.run([*command, "--check"], capture_output=True, text=True, env=env, timeout=120)
+    assert "outdated  [failed]  blockzoo-test-outdated 0.1.0" in checked.stdout
+    assert "sequence_data_parallel (plugin API 1.1; claimed by plugin_info, outdated.retention)" in checked.stdout
+    strict = subprocess.run(command, capture_output=True, text=True, env={**env, "BLOCKZOO_STRICT_PLUGINS": "1"})
+    assert strict.returncode == 1
