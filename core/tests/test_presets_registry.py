@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import blockzoo
@@ -204,3 +205,15 @@ def test_the_memory_estimate_splits_each_part_as_its_zero_stage_does():
     )
     assert memory.per_rank(parameters, data_parallel=4, zero_stage=2) == memory.RankMemory(4e6, 1e6, 2e6)
     assert memory.per_rank(parameters, data_parallel=4, zero_stage=3).total == 4e6
+
+
+def test_a_saved_model_records_its_preset_and_loads_where_the_preset_is_gone(fresh_registry, tmp_path):
+    register("acme.tiny", tiny())
+    model = blockzoo.build({"model": {"preset": "acme.tiny", "decoder": {"num_blocks": 1}}})
+    blockzoo.save(model, tmp_path / "checkpoint")
+    assert yaml.safe_load((tmp_path / "checkpoint" / "config.yaml").read_text())["model"]["preset"] == "acme.tiny"
+    plugins.reset_registry()  # the plugin that registered the preset is gone: the checkpoint's config is complete
+    loaded = blockzoo.load(tmp_path / "checkpoint")
+    assert loaded.config == model.config and "acme.tiny" not in presets.names()
+    tokens = torch.randint(0, VOCAB, (1, 7))
+    assert torch.equal(loaded.eval()(tokens), model.eval()(tokens))

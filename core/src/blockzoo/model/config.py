@@ -223,7 +223,7 @@ class ModelConfig(Config):
         so a partial section (`decoder: {blocks: {attn: {mixer: {window_size: 512}}}}`) updates the checkpoint's
         types instead of being read as the defaults. A checkpoint that cannot be read here is reported when the model
         is built."""
-        if (preset := data.get("preset")) is not None:
+        if (preset := data.get("preset")) is not None and not data.keys() >= _ARCHITECTURE_FIELDS:
             data = _with_preset(preset, data)
         source = data.get("pretrained")
         if not isinstance(source, str):
@@ -247,6 +247,11 @@ class ModelConfig(Config):
                 "has no effect with tied_embedding_weight: true (the output reuses embeddings.word_embeddings); "
                 "remove it or untie the weights",
             )
+
+
+# A model section holding all of these is complete (a checkpoint's config.yaml): its `preset` is a record of where it
+# started, not read again, so it loads where the preset is not installed, or has changed since.
+_ARCHITECTURE_FIELDS = frozenset({"hidden_size", "tied_embedding_weight", "embeddings", "decoder", "head"})
 
 
 def _with_preset(name: Any, data: Mapping[str, Any]) -> dict[str, Any]:
