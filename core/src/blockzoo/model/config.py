@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import attrs
+
 from blockzoo.config import (
     Config,
     ConfigFieldError,
@@ -223,7 +225,7 @@ class ModelConfig(Config):
         so a partial section (`decoder: {blocks: {attn: {mixer: {window_size: 512}}}}`) updates the checkpoint's
         types instead of being read as the defaults. A checkpoint that cannot be read here is reported when the model
         is built."""
-        if (preset := data.get("preset")) is not None and not data.keys() >= _ARCHITECTURE_FIELDS:
+        if (preset := data.get("preset")) is not None and not _complete(cls, data):
             data = _with_preset(preset, data)
         source = data.get("pretrained")
         if not isinstance(source, str):
@@ -249,9 +251,13 @@ class ModelConfig(Config):
             )
 
 
-# A model section holding all of these is complete (a checkpoint's config.yaml): its `preset` is a record of where it
-# started, not read again, so it loads where the preset is not installed, or has changed since.
-_ARCHITECTURE_FIELDS = frozenset({"hidden_size", "tied_embedding_weight", "embeddings", "decoder", "head"})
+def _complete(cls: type, data: Mapping[str, Any]) -> bool:
+    """Whether a model section gives every field, its decoder's type too: a checkpoint's config.yaml, written whole.
+    Its `preset` is a record of where it started, not read again, so it loads where the preset is not installed or
+    has changed since (a section written by hand names the preset to get the rest from it)."""
+    fields = {attribute.name for attribute in attrs.fields(cls)}
+    decoder = data.get("decoder")
+    return data.keys() >= fields and isinstance(decoder, Mapping) and "type" in decoder
 
 
 def _with_preset(name: Any, data: Mapping[str, Any]) -> dict[str, Any]:
