@@ -428,7 +428,8 @@ def _check_sequence_parallel(job: _SequenceJob) -> None:
 
 def _sequence_layout(job: _SequenceJob, size: int) -> Distributed:
     """The processes laid out as groups of `size` sequence-data ranks (the first call starts the process group)."""
-    config = DistributedConfig(seed=job.seed, backend="gloo", timeout=60, sequence_data_parallel=size)
+    # A generous timeout: 4 ranks on a loaded CI machine of few cores wait long for the slowest at each collective.
+    config = DistributedConfig(seed=job.seed, backend="gloo", timeout=300, sequence_data_parallel=size)
     return Distributed(config)
 
 
