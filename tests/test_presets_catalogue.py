@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 import blockzoo
 from blockzoo import preset_catalogue, presets
 from blockzoo.cli import main
-from blockzoo.config import load, to_dict
+from blockzoo.config import load, structure, to_dict
 from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
 
@@ -78,3 +80,10 @@ def test_build_takes_a_preset_s_name():
     model = blockzoo.build("mamba2_proxy_50m")
     assert isinstance(model.config, ModelConfig) and model.config.preset == "mamba2_proxy_50m"
     assert sum(parameter.numel() for parameter in model.parameters()) == presets.get("mamba2_proxy_50m").parameters
+
+
+def test_the_override_example_of_docs_models_md_does_what_it_says():
+    example = yaml.safe_load(DOCS.read_text().split("```yaml\n")[1].split("```")[0])
+    model = structure(example, RunConfig).model
+    assert model.decoder.num_blocks == 4 and model.decoder.block.mixers["attention"].rotary.theta == 1.0e6
+    assert model.decoder.block.mixers["mamba"] == presets.model_config("falcon_h1_1_5b").decoder.block.mixers["mamba"]

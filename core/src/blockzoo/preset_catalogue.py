@@ -71,6 +71,18 @@ def markdown(found: list[dict[str, Any]]) -> str:
         "built on the meta device), beside the figure the model's authors publish. The proxies are ours: the same "
         "structure at a size for one GPU, not published models.",
         "",
+        "Overrides merge into the preset's own types (here Falcon-H1's parallel block of attention and Mamba 2):",
+        "",
+        "```yaml",
+        "model:",
+        "  preset: falcon_h1_1_5b",
+        "  decoder: {num_blocks: 4, block: {mixers: {attention: {rotary: {theta: 1.0e+6}}}}}  # fewer layers, another "
+        "RoPE base",
+        "```",
+        "",
+        "`blockzoo config run.yaml` prints the result resolved; with `--processes N`, the memory per rank of that "
+        "layout (weights, gradients and AdamW state; activations come on top).",
+        "",
         "| name | family | parameters | active | published | plugin | format | source |",
         "| --- | --- | ---: | ---: | --- | --- | --- | --- |",
     ]
