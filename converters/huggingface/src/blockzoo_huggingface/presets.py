@@ -1,9 +1,6 @@
-"""The hybrid models shipped as presets (`blockzoo models`): Falcon-H1, Nemotron-H, Granite 4.0 H and Qwen3-Next.
-
-They live here, beside their Hugging Face formats, because each combines layers of several plugins (attention,
-Mamba 2 or Gated DeltaNet, dense MLP or MoE) and only the format ties them together: every preset is the
-architecture part of its published config.json, read through that format. Torch-free.
-"""
+"""The hybrid models shipped as presets (`blockzoo models`): Falcon-H1, Nemotron-H, Granite 4.0 H and Qwen3-Next. They
+live here, beside their formats: each combines layers of several plugins (attention, Mamba 2 or Gated DeltaNet, MLP or
+MoE) that only its format ties together. Each is the architecture part of its published config.json. Torch-free."""
 
 from __future__ import annotations
 
