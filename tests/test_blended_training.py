@@ -340,3 +340,15 @@ def test_the_walkthrough_example_prepares_its_sources_and_trains(tmp_path, capsy
     (entry,) = [entry for entry in _metrics(output) if entry["step"] == 2]
     assert {"evaluation_loss", "evaluation_loss/web", "evaluation_loss/code", "evaluation_loss/math_val"} <= set(entry)
     assert entry["source_tokens"] == {"web": 2 * 64, "code": 64, "math": 64}  # 4 sequences: 0.6 / 0.25 / 0.15
+
+
+def test_plot_draws_a_sources_tokens_by_its_flat_name(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    lines = [
+        {"step": step, "tokens": 32 * step, "source_tokens": {"web": 16 * step, "code": 16 * step}} for step in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["plot", str(tmp_path), "--metric", "source_tokens/web", "-o", str(tmp_path / "web.png")]) == 0
+    assert (tmp_path / "web.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["plot", str(tmp_path), "--metric", "source_tokens", "-o", str(tmp_path / "x.png")]) == 2
+    assert "its metrics: source_tokens/code, source_tokens/web, tokens" in capsys.readouterr().err

@@ -28,7 +28,8 @@ def run_metrics(run: str | Path) -> list[dict[str, Any]]:
 
 def plot_runs(runs: list[str], output: str | Path, metric: str = "loss") -> Path:
     """Draw `metric` against the step for each run into the PNG `output`; the evaluation loss too for `loss`."""
-    metrics = {run: run_metrics(run) for run in runs}  # every run is checked before matplotlib is imported
+    # Every run is checked before matplotlib is imported; a figure per source (`source_tokens`) is `source_tokens/web`.
+    metrics = {run: [_flat(entry) for entry in run_metrics(run)] for run in runs}
     drawn = [metric] + (["evaluation_loss"] if metric == "loss" else [])
     for run, entries in metrics.items():
         if not any(name in entry for entry in entries for name in drawn):
@@ -59,3 +60,14 @@ def plot_runs(runs: list[str], output: str | Path, metric: str = "loss") -> Path
     figure.savefig(output, format="png", dpi=100)
     pyplot.close(figure)
     return output
+
+
+def _flat(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The figures of an entry by flat name: nested mappings joined with `/`."""
+    flat: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
