@@ -169,8 +169,8 @@ def dist(session: nox.Session) -> None:
             if not (home / "runs" / "demo-llama" / "model.safetensors").is_file():
                 session.error("the README's quick start left no exported model in runs/demo-llama")
             session.run(str(bin_dir / "python"), "-m", "pip", "install", *map(str, published), external=True)
-            session.run("blockzoo", "plugins", "--check", external=True, env=env)
-            session.run("blockzoo", "--version", external=True, env=env)
+            session.run(str(bin_dir / "blockzoo"), "plugins", "--check", external=True, env=env)
+            session.run(str(bin_dir / "blockzoo"), "--version", external=True, env=env)
     finally:
         shutil.rmtree(home)
 
