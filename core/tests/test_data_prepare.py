@@ -314,3 +314,12 @@ def test_bad_hugging_face_tokenizers_are_refused(tmp_path, word_tokenizer):
     with pytest.raises(DatasetError, match=r"token '</s>' is not in the vocabulary of .*tokenizer\.json"):
         load_tokenizer(word_tokenizer, eod_token="</s>")
     assert load_tokenizer(word_tokenizer.parent).vocab_size == 8  # a directory holding tokenizer.json
+
+
+def test_a_dataset_of_format_version_1_still_loads(prepared):
+    """Written before shards existed: one pair of files named after the prefix, no shard list in the metadata."""
+    files = prepared
+    metadata = json.loads(files.metadata.read_text())
+    del metadata["shards"]
+    files.metadata.write_text(json.dumps({**metadata, "version": 1}))
+    assert stored_documents(files.prefix) == [byte_ids("alpha"), byte_ids("beta gamma"), byte_ids("delta")]

@@ -216,8 +216,7 @@ def _columnar(piece: Piece, field: str) -> Iterator[Batch]:
                 _check_column(reader.schema, field, path, pyarrow)
                 indices = range(*piece.span) if piece.span else range(reader.num_record_batches)
                 batches = (reader.get_batch(index) for index in indices)
-                rows = None if len(indices) == 0 else -1  # unknown until read: progress by record batch
-                yield from _column_batches(batches, field, rows, piece.size, parts=len(indices))
+                yield from _column_batches(batches, field, None, piece.size, parts=len(indices))
         else:
             with ipc.open_stream(pyarrow.OSFile(str(path))) as reader:
                 _check_column(reader.schema, field, path, pyarrow)
@@ -247,7 +246,7 @@ def _column_batches(batches: Iterator[Any], field: str, rows: int | None, size: 
         for offset in range(0, len(column), BATCH_DOCUMENTS):
             texts = column.slice(offset, BATCH_DOCUMENTS).to_pylist()
             rows_read += len(texts)
-            if rows is not None and rows > 0:
+            if rows:
                 done = size * rows_read // rows
             elif parts:
                 done = size * (number - 1) // parts
