@@ -328,6 +328,10 @@ def test_bad_inputs_are_named_with_exit_code_2_and_nothing_left(tmp_path, capsys
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
     code, _, stderr = cli(capsys, "prepare", tmp_path / "a.zst", "-o", out, "--workers", "1")
     assert code == 2 and "x.jsonl.zst needs the zstandard package: pip install 'blockzoo[datasets]'" in stderr
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    code, _, stderr = cli(capsys, "prepare", tmp_path / "good.parquet", "-o", out, "--workers", "1")
+    assert code == 2 and "good.parquet needs pyarrow: pip install 'blockzoo[datasets]'" in stderr
+    assert not out.parent.exists() or not list(out.parent.iterdir())
 
 
 def test_a_jsonl_error_in_a_later_piece_names_its_line_in_the_file(tmp_path, monkeypatch):
