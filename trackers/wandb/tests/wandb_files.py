@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,22 @@ def _key(item: Any) -> str:
     return item.key or ".".join(item.nested_key)
 
 
-def run_files(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The run's `.wandb` files in the order they were written (offline-run-<time>-<id> folders)."""
-    return sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+def run_files(wandb_dir: Path, run_id: str, seconds: float = 60.0) -> list[Path]:
+    """The run's `.wandb` files in the order they were written (offline-run-<time>-<id> folders), once each holds
+    its exit record: wandb's service writes the file on its own and may still be writing when `run.finish()` has
+    returned (up to `seconds`)."""
+    files = sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    deadline = time.monotonic() + seconds
+    while not all(_has_exit(path) for path in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return files
+
+
+def _has_exit(path: Path) -> bool:
+    try:
+        return any(record.WhichOneof("record_type") == "exit" for record in read_records(path))
+    except Exception:  # noqa: BLE001 - a record still being written: not complete yet
+        return False
 
 
 def history(files: list[Path]) -> list[dict[str, Any]]:
