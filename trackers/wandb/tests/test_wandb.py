@@ -8,6 +8,8 @@ from pathlib import Path
 
 from wandb_files import history, run_files, run_info
 
+from blockzoo_wandb.plugin import check_environment
+
 from blockzoo.testing.tracking import (
     DETERMINISTIC,
     logged_figures,
@@ -74,3 +76,4 @@ def test_wandb_missing_is_a_tracker_failure_that_says_what_to_install(tmp_path, 
         "None in sys.modules); the run trains on without it (training.trackers_required: true stops it instead)"
     ]
     assert sorted(logged_figures(tmp_path)) == [1, 2]
+    assert check_environment() == ["wandb is not installed: pip install wandb (runs train without this tracker)"]
