@@ -8,8 +8,6 @@ from pathlib import Path
 
 from wandb_files import history, run_files, run_info
 
-from blockzoo_wandb.plugin import check_environment
-
 from blockzoo.testing.tracking import (
     DETERMINISTIC,
     logged_figures,
@@ -17,6 +15,7 @@ from blockzoo.testing.tracking import (
     tiny_run_config,
     train_tiny,
 )
+from blockzoo_wandb.plugin import check_environment
 
 TRACKER = "training.trackers={wb: {type: wandb, mode: offline, project: tiny, tags: [a, b]}}"
 
