@@ -57,5 +57,7 @@ def test_blockzoo_train_feeds_every_tracker(tmp_path):
         [sys.executable, "-m", "blockzoo", "train", str(tmp_path / "run.yaml")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert "tracker" not in result.stdout  # no failure to report
+    lines = result.stdout.splitlines()
+    assert "trackers: jsonl (jsonl), tb (tensorboard), wb (wandb), ml (mlflow)" in lines
+    assert not [line for line in lines if line.startswith("tracker '")]  # no failure to report
     check_one_set_of_files(tmp_path / "run", [1, 2])

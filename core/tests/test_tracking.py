@@ -121,7 +121,9 @@ def test_a_first_party_tracker_not_loaded_says_which_distribution(tmp_path, core
 
 
 def test_a_tracker_gets_the_start_every_entry_of_the_metrics_file_and_the_end(tmp_path):
-    train_tiny(tiny_run_config(tmp_path, probes(("p", "")), "training.train_iters=3"))
+    messages = train_tiny(tiny_run_config(tmp_path, probes(("p", "")), "training.train_iters=3"))
+    assert "trackers: jsonl (jsonl), p (probe.tracker)" in messages
+    assert not [message for message in train_tiny(tiny_run_config(tmp_path / "b")) if message.startswith("trackers")]
     ((_, run),) = calls("p", "start")
     assert run.name == "p" and run.output_dir == tmp_path and run.start_step == 0
     assert (

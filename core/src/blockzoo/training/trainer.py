@@ -283,9 +283,12 @@ class Trainer:
         def run_for(name: str) -> TrackerRun:
             return TrackerRun(config=config, parameters=counts, output_dir=output_dir, start_step=step, name=name)
 
-        return Trackers(
-            active_trackers(self.config.trackers), run_for, required=self.config.trackers_required, report=self.log
-        )
+        configs = active_trackers(self.config.trackers)
+        if list(configs) != ["jsonl"]:  # where the figures go, when it is not only metrics.jsonl
+            registry = get_registry()
+            named = [f"{name} ({registry.name_of(type(config))})" for name, config in configs.items()]
+            self.log("trackers: " + ", ".join(named) + (" (required)" if self.config.trackers_required else ""))
+        return Trackers(configs, run_for, required=self.config.trackers_required, report=self.log)
 
     def _finish_trackers(
         self, state: str, message: str | None = None, *, failing: bool = False, seconds: float | None = None
