@@ -103,10 +103,12 @@ class TorchKernel:
     def attend(self, query, key, value, chunks: list[tuple[slice, slice, torch.Tensor]], scale: float) -> torch.Tensor:
         key, value = (_repeat_heads(tensor, query.shape[1]).transpose(0, 1) for tensor in (key, value))
         query = query.transpose(0, 1)
+        # A batch dim of one: on the CPU, SDPA runs its fused (flash) kernel for 4-D inputs only, for 3-D its math
+        # path, which materializes the scores and the masked softmax (several times slower, benchmarks/RESULTS.md).
         outputs = [
             F.scaled_dot_product_attention(
-                query[:, rows], key[:, columns], value[:, columns], attn_mask=mask, scale=scale
-            )
+                query[None, :, rows], key[None, :, columns], value[None, :, columns], attn_mask=mask, scale=scale
+            )[0]
             for rows, columns, mask in chunks
         ]
         return torch.cat(outputs, dim=1).transpose(0, 1)
