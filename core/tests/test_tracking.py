@@ -223,14 +223,17 @@ def test_a_blocked_tracker_does_not_hold_the_steps(tmp_path):
 def test_a_tracker_that_falls_behind_loses_entries_said_once(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "QUEUE_SIZE", 2)
     messages: list[str] = []
-    train_tiny(tiny_run_config(tmp_path, probes(("slow", ", block_in_log: true"))), log=release_at_the_end(messages))
+    # jsonl off: with a queue of 2 on a loaded machine, it may fall behind too
+    trackers = "training.trackers={jsonl: null, slow: {type: probe.tracker, block_in_log: true}}"
+    config = tiny_run_config(tmp_path, trackers)
+    train_tiny(config, log=release_at_the_end(messages))
     reports = [message for message in messages if message.startswith("tracker ")]
     assert reports == [
         "tracker 'slow' failed: fell behind by 2 logged steps (entries dropped); the run trains on without it "
         "(training.trackers_required: true stops it instead)"
     ]
     assert [step for _, step, _ in calls("slow", "log")] == [1]  # then failed: its queued calls are not made
-    assert sorted(logged_figures(tmp_path)) == list(range(1, 9))
+    assert latest_checkpoint(tmp_path).name == "step_8"  # the run trained on
 
 
 def test_a_tracker_that_does_not_finish_is_left_behind_and_said(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ same W&B run with each step once over its processes' files; a failure that does 
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from wandb_files import history, run_files, run_info
@@ -11,8 +12,8 @@ from wandb_files import history, run_files, run_info
 from blockzoo.testing.tracking import (
     DETERMINISTIC,
     logged_figures,
-    straight_and_resumed,
     tiny_run_config,
+    train_killed_at,
     train_tiny,
 )
 from blockzoo_wandb.plugin import check_environment
@@ -47,7 +48,11 @@ def test_every_figure_of_the_metrics_file_the_config_and_the_status(tmp_path):
 
 
 def test_a_resumed_run_continues_the_wandb_run_each_step_once(tmp_path):
-    straight, resumed = straight_and_resumed(tmp_path, TRACKER, killed_at=6)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_tiny(tiny_run_config(straight, TRACKER))
+    train_killed_at(tiny_run_config(resumed, TRACKER), 6)
+    time.sleep(1.1)  # wandb names a process's offline folder by the second it started: two in one second share one
+    train_tiny(tiny_run_config(resumed, TRACKER))
     killed, again = files_of(resumed)  # one file per process, one run id
     assert run_info(killed)["run_id"] == run_info(again)["run_id"]
     assert run_info(killed)["exit_code"] == 1 and "Killed" in run_info(killed)["summary"]["status_message"]
