@@ -268,7 +268,7 @@ def test_an_interrupted_replacement_puts_the_previous_checkpoint_back(copy, monk
 
     monkeypatch.setattr(Path, "rename", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        blockzoo.save(model, copy)
+        blockzoo.save(model, copy, overwrite=True)
     monkeypatch.undo()
     assert run_dirs(copy.parent) == ["step_1"]
     verify_checkpoint(copy)
