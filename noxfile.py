@@ -163,12 +163,15 @@ def dist(session: nox.Session) -> None:
                     arguments = ["pip", "install", TORCH]
                 else:  # each blockzoo distribution from its wheel: never the index's
                     arguments = [str(by_name.get(a, a)) for a in arguments]
-                session.run(str(bin_dir / "python"), "-m", *arguments, external=True, env=env)
+                # A throwaway environment: no bytecode compiled at install (most of an install's time for torch).
+                session.run(str(bin_dir / "python"), "-m", *arguments, "--no-compile", external=True, env=env)
             for line in _bash_block(readme, "## Quick start"):
                 session.run("bash", "-euo", "pipefail", "-c", line, external=True, env=env)
             if not (home / "runs" / "demo-llama" / "model.safetensors").is_file():
                 session.error("the README's quick start left no exported model in runs/demo-llama")
-            session.run(str(bin_dir / "python"), "-m", "pip", "install", *map(str, published), external=True)
+            session.run(
+                str(bin_dir / "python"), "-m", "pip", "install", "--no-compile", *map(str, published), external=True
+            )
             session.run(str(bin_dir / "blockzoo"), "plugins", "--check", external=True, env=env)
             session.run(str(bin_dir / "blockzoo"), "--version", external=True, env=env)
     finally:
