@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -174,6 +175,10 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name:>14}: {seconds:8.2f} s  {requests / seconds:8.1f} requests/s  {metrics[name]}")
     print(f"ratio (blockzoo / HFLM requests/s): {best['lm-eval HFLM'] / best['blockzoo']:.2f}")
+    ours, theirs = metrics.values()
+    if ours.keys() != theirs.keys() or any(not math.isclose(ours[k], theirs[k], rel_tol=1e-4) for k in ours):
+        raise SystemExit("the two backends' metrics differ: they did not compute the same thing")
+    print("metrics agree (relative 1e-4)")
 
 
 if __name__ == "__main__":
