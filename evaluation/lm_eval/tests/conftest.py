@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from local_tasks import END_OF_TEXT, train_tokenizer, write_tasks
+from lm_eval_tasks import END_OF_TEXT, train_tokenizer, write_tasks
 
 import blockzoo
 

@@ -12,7 +12,7 @@ import sys
 
 import lm_eval.evaluator
 from lm_eval.models.huggingface import HFLM
-from local_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
+from lm_eval_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
 
 from blockzoo.benchmarks.run import results_table
 from blockzoo_lm_eval.benchmark import flat_metrics, task_manager

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from local_tasks import MC_TASK, PERPLEXITY_TASK
+from lm_eval_tasks import MC_TASK, PERPLEXITY_TASK
 
 from blockzoo.cli import main
 from blockzoo.config import structure

@@ -10,8 +10,8 @@ import json
 import math
 
 import pytest
-from local_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
-from test_training import run_config
+from lm_eval_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
+from test_lm_eval_training import run_config
 
 from blockzoo.cli import main
 from blockzoo.testing.distributed import run_distributed

@@ -11,7 +11,7 @@ import lm_eval.evaluator
 import pytest
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
-from local_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
+from lm_eval_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
 
 from blockzoo.api import HuggingFaceTokenizer
 from blockzoo_lm_eval.backend import BlockzooLM
