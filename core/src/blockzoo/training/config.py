@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from blockzoo.benchmarks.base import BenchmarkConfig
 from blockzoo.config import (
     Config,
     ConfigFieldError,
@@ -66,6 +67,12 @@ class EvaluationConfig(Config):
         "prepared dataset, 1 for all of it), evaluated at every evaluation as `evaluation_loss/<name>`; "
         "sequence_length and micro_batch_size not given are the run's `data` settings. The `data` section's own "
         "held-out split is `evaluation_loss`, when it has one.",
+    )
+    harness: BenchmarkConfig | None = field(
+        None,
+        doc="Benchmark tasks (lm-evaluation-harness by default: `{tasks: [...], interval: N}`, needs blockzoo-lm-eval) "
+        "run on the model being trained at their own interval and at the end; their figures join the step's logged "
+        "entry, their whole results go to `<output_dir>/evaluation/step_<N>.json`. None: no benchmark.",
     )
 
 
