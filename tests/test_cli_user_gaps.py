@@ -187,3 +187,15 @@ def test_the_readme_prepare_recipe_trains_the_demo_as_written(tmp_path):
     result = blockzoo_command("train", ROOT / "examples" / "demo.yaml", *overrides)
     assert result.returncode == 0, result.stderr
     assert "evaluation at step 1: loss" in result.stdout
+
+
+def test_the_config_reference_lists_what_the_readme_installs():
+    install = README.read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    folders = re.findall(r"-e ([\w/]+)", install)
+    readme_distributions = {
+        re.search(r'^name = "([^"]+)"', (ROOT / folder / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+        for folder in folders
+    }
+    header = (ROOT / "docs" / "config-reference.md").read_text().split("\n")[2]
+    listed = set(re.findall(r"\(([a-z0-9-]+) \d", header))
+    assert listed and listed <= readme_distributions, listed - readme_distributions

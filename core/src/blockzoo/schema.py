@@ -19,7 +19,7 @@ import yaml
 
 from blockzoo import __version__
 from blockzoo.config import Config, ConfigError, PolymorphicConfig, to_dict
-from blockzoo.plugins import PluginRecord, Registry, TypeEntry, get_registry
+from blockzoo.plugins import FIRST_PARTY_TYPES, PluginRecord, Registry, TypeEntry, get_registry
 from blockzoo.run_config import RunConfig
 
 REGENERATE = "blockzoo config schema > docs/config-reference.md"
@@ -68,6 +68,12 @@ def config_reference(registry: Registry | None = None) -> str:
             lines += ["", f"#### {kind} `{entry.name}`", ""]
             lines += [_describe_entry(entry), ""]
             lines += _table(entry.config_class)
+    # A kind a field names but no installed plugin provides a type of (a benchmark without blockzoo-lm-eval).
+    referenced = set(re.findall(r"\]\(#kind-([a-z0-9_]+)\)", "\n".join(lines))) - set(kinds)
+    for kind in sorted(referenced):
+        provided = [f"`{name}` ({owner})" for (of, name), owner in FIRST_PARTY_TYPES.items() if of == kind]
+        where = f": {', '.join(provided)}" if provided else ""
+        lines += ["", f"### Kind `{kind}`", "", f"No installed plugin provides a type of this kind{where}."]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,9 @@ from blockzoo.config import PolymorphicConfig, at_least, configclass, field
 
 @configclass
 class BenchmarkConfig(PolymorphicConfig):
+    """Scoring a model on benchmark tasks, in memory: `blockzoo evaluate`, and `training.evaluation.harness` during
+    training. Kind `benchmark`, default type `lm_eval` (lm-evaluation-harness, from blockzoo-lm-eval)."""
+
     kind: ClassVar[str] = "benchmark"
     default_type: ClassVar[str] = "lm_eval"
 
