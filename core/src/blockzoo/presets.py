@@ -56,6 +56,26 @@ class Preset:
         if self.huggingface_config is not None and self.format is None:
             raise ValueError("a Preset's huggingface_config is read through its format: give format=")
 
+    @classmethod
+    def published(
+        cls, family: str, repository: str, config: Mapping[str, Any], parameters: int, published: str, **fields: Any
+    ) -> Preset:
+        """A published model: the architecture keys of the config.json of its Hugging Face `repository` (the
+        source), read through the format its `model_type` names; `fields`: `requires`, `active_parameters`,
+        `notes`."""
+        source = f"https://huggingface.co/{repository}/blob/main/config.json"
+        return cls(family=family, format=config["model_type"], huggingface_config=config, parameters=parameters,
+                   published_parameters=published, source=source, **fields)  # fmt: skip
+
+    @classmethod
+    def proxy(cls, family: str, base_name: str, base: Mapping[str, Any], parameters: int, **fields: Any) -> Preset:
+        """An architecture of ours: the config.json of preset `base_name` (`base`) with `fields["changes"]`; the
+        other `fields` as for `published`."""
+        changes = fields.pop("changes")
+        source = f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items())
+        return cls(family=family, format=base["model_type"], huggingface_config={**base, **changes},
+                   parameters=parameters, source=source, **fields)  # fmt: skip
+
     @property
     def ours(self) -> bool:
         """An architecture of ours (a small proxy), not a published model."""

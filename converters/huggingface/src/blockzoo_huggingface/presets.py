@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from blockzoo.api import Preset
 
-HUB = "https://huggingface.co/{}/blob/main/config.json"
 HF = "blockzoo-huggingface"
 DEFAULTS_TAKEN = (
     "Initialization, learning-rate scales and weight decay are blockzoo's defaults (the config.json has only "
@@ -243,30 +242,18 @@ QWEN_NEXT_NOTE = (
 
 
 def _published(family, repository, config, parameters, published, requires, *, active=None, notes=""):
-    return Preset(
-        family=family,
-        format=config["model_type"],
-        huggingface_config=config,
-        parameters=parameters,
-        active_parameters=active,
-        published_parameters=published,
-        source=HUB.format(repository),
-        requires=requires,
-        notes=" ".join(filter(None, (notes, DEFAULTS_TAKEN))),
-    )
+    fields = {
+        "requires": requires,
+        "active_parameters": active,
+        "notes": " ".join(filter(None, (notes, DEFAULTS_TAKEN))),
+    }
+    return Preset.published(family, repository, config, parameters, published, **fields)
 
 
 def _proxy(family, base_name, base, parameters, requires, *, active=None, **changes):
-    return Preset(
-        family=family,
-        format=base["model_type"],
-        huggingface_config={**base, **changes},
-        parameters=parameters,
-        active_parameters=active,
-        source=f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items()),
-        requires=requires,
-        notes="Ours, not a published model: the family's structure at a size for one GPU. " + DEFAULTS_TAKEN,
-    )
+    notes = "Ours, not a published model: the family's structure at a size for one GPU. " + DEFAULTS_TAKEN
+    fields = {"requires": requires, "active_parameters": active, "notes": notes}
+    return Preset.proxy(family, base_name, base, parameters, changes=changes, **fields)
 
 
 NEMOTRON_REQUIRES = ("blockzoo-attention", "blockzoo-mamba-2", "blockzoo-mlp", HF)

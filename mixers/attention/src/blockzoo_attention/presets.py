@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from blockzoo.api import Preset
 
-HUB = "https://huggingface.co/{}/blob/main/config.json"
 REQUIRES = ("blockzoo-attention", "blockzoo-mlp", "blockzoo-huggingface")
 DEFAULTS_TAKEN = (
     "Initialization, learning-rate scales and weight decay are blockzoo's defaults (the config.json has only "
@@ -139,28 +138,13 @@ PROXY_NOTE = "Ours, not a published model: the family's architecture at a width 
 
 
 def _published(family, repository, config, parameters, published, notes=""):
-    return Preset(
-        family=family,
-        format=config["model_type"],
-        huggingface_config=config,
-        parameters=parameters,
-        published_parameters=published,
-        source=HUB.format(repository),
-        requires=REQUIRES,
-        notes=" ".join(filter(None, (notes, DEFAULTS_TAKEN))),
-    )
+    notes = " ".join(filter(None, (notes, DEFAULTS_TAKEN)))
+    return Preset.published(family, repository, config, parameters, published, requires=REQUIRES, notes=notes)
 
 
 def _proxy(family, base_name, base, parameters, **changes):
-    return Preset(
-        family=family,
-        format=base["model_type"],
-        huggingface_config={**base, **changes},
-        parameters=parameters,
-        source=f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items()),
-        requires=REQUIRES,
-        notes=PROXY_NOTE + DEFAULTS_TAKEN,
-    )
+    notes = PROXY_NOTE + DEFAULTS_TAKEN
+    return Preset.proxy(family, base_name, base, parameters, changes=changes, requires=REQUIRES, notes=notes)
 
 
 def presets() -> dict[str, Preset]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from blockzoo.api import Preset
 
-HUB = "https://huggingface.co/{}/blob/main/config.json"
 REQUIRES = ("blockzoo-attention", "blockzoo-moe", "blockzoo-huggingface")
 DEFAULTS_TAKEN = (
     "Initialization, learning-rate scales and weight decay are blockzoo's defaults (the config.json has only "
@@ -116,30 +115,14 @@ DEEPSEEK_NOTE = (
 
 
 def _published(family, repository, config, parameters, active, published, *, requires=REQUIRES, notes=""):
-    return Preset(
-        family=family,
-        format=config["model_type"],
-        huggingface_config=config,
-        parameters=parameters,
-        active_parameters=active,
-        published_parameters=published,
-        source=HUB.format(repository),
-        requires=requires,
-        notes=" ".join(filter(None, (notes, DEFAULTS_TAKEN))),
-    )
+    notes = " ".join(filter(None, (notes, DEFAULTS_TAKEN)))
+    fields = {"requires": requires, "active_parameters": active, "notes": notes}
+    return Preset.published(family, repository, config, parameters, published, **fields)
 
 
 def _proxy(family, base_name, base, parameters, active, *, requires=REQUIRES, **changes):
-    return Preset(
-        family=family,
-        format=base["model_type"],
-        huggingface_config={**base, **changes},
-        parameters=parameters,
-        active_parameters=active,
-        source=f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items()),
-        requires=requires,
-        notes=PROXY_NOTE + DEFAULTS_TAKEN,
-    )
+    fields = {"requires": requires, "active_parameters": active, "notes": PROXY_NOTE + DEFAULTS_TAKEN}
+    return Preset.proxy(family, base_name, base, parameters, changes=changes, **fields)
 
 
 MLA_REQUIRES = ("blockzoo-mla", "blockzoo-mlp", *REQUIRES)
