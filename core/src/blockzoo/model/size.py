@@ -8,6 +8,7 @@ refuse cannot fit; a run they pass may still run out of memory later.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -33,9 +34,26 @@ def meta_model(config: ModelConfig, distributed: Distributed) -> nn.Module:
             return LanguageModel(config, distributed)
     except ParameterShapeError as error:  # the config's sizes, whichever layer asked: no plugin is to blame
         raise ConfigError([("model", f"cannot be built: {error}")]) from None
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, MemoryError) as error:
         failure = locate_layer_failure(error)  # a plugin's layer: named, with its path and where it raised
+        if (allocation := _allocation_failure(failure.error if failure else error)) is not None:
+            where = f"the {failure.entry.kind} at {failure.path}" if failure else "a layer"
+            raise ConfigError([("model", f"cannot be built: {where} {allocation}")]) from None
         raise ConfigError([("model", f"cannot be built: {failure.message() if failure else error}")]) from None
+
+
+def _allocation_failure(error: BaseException) -> str | None:
+    """What a layer asked of the memory while it was built (constants it computes at once: rotary tables, ...), in
+    words, when the allocator refused it; None for any other error."""
+    text = str(error)
+    if not isinstance(error, MemoryError) and "can't allocate memory" not in text:
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    amount = f" {_gib(int(asked.group(1)))}" if asked else ""
+    return (
+        f"asks for{amount} of memory while being built, more than this machine can allocate: a size in its config is "
+        "far too large"
+    )
 
 
 def local_parameter_bytes(model: nn.Module, distributed: Distributed) -> int:

@@ -1,6 +1,7 @@
 """Configs built in Python check their values as reading YAML does: a value of the wrong type is a
 `ConfigFieldError` naming the field, never a raw TypeError from a later comparison, and nothing of the right type
-is refused (YAML's own path gives the same message)."""
+is refused (YAML's own path gives the same message). Cross-distribution: the model's defaults need the first-party
+layers."""
 
 import math
 
@@ -71,3 +72,17 @@ def test_a_layer_base_class_guessed_for_a_layer_names_the_types_to_build(kind):
         base()
     assert f"{base.__name__} is the base class of the configs of every {kind} type" in str(caught.value)
     assert f"none: blockzoo.layers.config.No{'Mixer' if kind == 'mixer' else 'MLP'}Config" in str(caught.value)
+
+
+def test_a_layer_asking_for_too_much_memory_while_built_names_its_place():
+    from blockzoo.preflight import model_on_meta_device
+    from blockzoo.run_config import RunConfig
+
+    block = {"mixer": {"type": "attention", "heads": 4, "head_groups": 2, "head_size": 2**45}, "mlp": {"type": "none"}}
+    config = structure({"model": {"hidden_size": 128, "decoder": {"num_blocks": 1, "block": block}}}, RunConfig)
+    with pytest.raises(ConfigError) as caught:
+        model_on_meta_device(config)  # what `blockzoo config` and `train` build first
+    ((path, message),) = caught.value.errors
+    assert path == "model"
+    assert message.startswith("cannot be built: the mixer at decoder.0.mixer asks for 131,072.0 GiB of memory")
+    assert "Error" not in message
