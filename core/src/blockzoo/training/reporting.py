@@ -95,22 +95,27 @@ def peak_flops(config_peak_tflops: float | None, distributed: Distributed) -> fl
 
 
 class Throughput:
-    """Tokens and model FLOPs since the last `reset`, over the wall-clock time since then."""
+    """Tokens and model FLOPs since the last `reset`, over the wall-clock time since then: up to `stop`, so that every
+    figure of one log line (tokens/s, TFLOP/s, MFU) divides by the same time."""
 
     def __init__(self, peak_flops: float | None):
         self.peak_flops = peak_flops
         self.reset()
 
     def reset(self) -> None:
-        self.start, self.tokens, self.flops = time.perf_counter(), 0, 0
+        self.start, self.end, self.tokens, self.flops = time.perf_counter(), None, 0, 0
 
     def add(self, tokens: int, flops: int) -> None:
         self.tokens += tokens
         self.flops += flops
 
+    def stop(self) -> None:
+        self.end = time.perf_counter()
+
     @property
     def seconds(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
+        end = self.end if self.end is not None else time.perf_counter()
+        return max(end - self.start, 1e-9)
 
     @property
     def tokens_per_second(self) -> float:

@@ -335,6 +335,7 @@ class Trainer:
             entry = {}  # this step's line of the metrics file, if it logs anything
             if logs:
                 record = self.history[-1]
+                timer.stop()
                 self.log(step_line(record, self.config.train_iters, timer))
                 entry = metrics_entry(record, self.step * current.tokens, time.perf_counter() - started, timer)
                 timer.reset()
