@@ -20,7 +20,7 @@ The tile shapes are autotuned on CUDA per (channels, kernel size, bias, activati
 disk between runs where Triton can (`triton.autotune(cache_results=True)`, triton >= 3.4; docs/ssm.md). Under
 TRITON_INTERPRET=1 (CPU tensors, the tests) fixed tile shapes are used.
 
-Used by `blockzoo.ssm.causal_conv1d` on CUDA; imports triton, so import it only there (or under the interpreter).
+Used by `blockzoo_ssm.causal_conv1d` on CUDA; imports triton, so import it only there (or under the interpreter).
 """
 
 import inspect
@@ -320,7 +320,7 @@ def causal_conv1d_triton(
     *,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """`blockzoo.ssm.causal_conv1d` without a state: differentiable in x, weight and bias.
+    """`blockzoo_ssm.causal_conv1d` without a state: differentiable in x, weight and bias.
 
     x [tokens, channels] (any row stride, channels contiguous; fp32, bf16 or fp16); weight [channels, kernel_size]
     and bias [channels] or None in any float dtype (read in fp32); positions [tokens] int32, each token's position in

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockzoo.ssm.kernels import mamba_gated_rms_norm, mamba_ssm_available
+from blockzoo_ssm.kernels import mamba_gated_rms_norm, mamba_ssm_available
 
 
 def gated_rms_norm(

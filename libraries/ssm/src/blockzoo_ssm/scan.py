@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm.kernels import mamba_chunk_scan, mamba_ssm_available
+from blockzoo_ssm.kernels import mamba_chunk_scan, mamba_ssm_available
 
 
 def positions_in_batch(batch: Batch) -> torch.Tensor:
@@ -27,7 +27,7 @@ def positions_in_batch(batch: Batch) -> torch.Tensor:
         starts = batch.cu_seqlens[:-1].to(torch.int64)[batch.document_index]
         return torch.arange(batch.num_tokens, device=batch.device) - starts
 
-    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch"), compute)
+    return batch.preprocessed(("blockzoo_ssm", "positions_in_batch"), compute)
 
 
 def ssd_scan(
@@ -108,7 +108,7 @@ def ssd_scan(
 
 def _int32_document_index(batch: Batch) -> torch.Tensor:
     """The kernel's `seq_idx` (each token's document), cast once per batch."""
-    return batch.preprocessed(("blockzoo.ssm", "document_index", "int32"), lambda: batch.document_index.int())
+    return batch.preprocessed(("blockzoo_ssm", "document_index", "int32"), lambda: batch.document_index.int())
 
 
 def time_step(
@@ -154,7 +154,7 @@ def selective_scan(
     _check_selective(u, delta, A, B, C, batch, state)
     _check_slice_states("selective_scan", state, initial_state, return_final_state, tuple(A.shape))
     if state is None and u.is_cuda:
-        from blockzoo.ssm.triton_selective_scan import selective_scan_triton
+        from blockzoo_ssm.triton_selective_scan import selective_scan_triton
 
         if initial_state is None and not return_final_state:
             return selective_scan_triton(u, delta, A, B, C, batch.cu_seqlens)
@@ -267,7 +267,7 @@ def _chunk_layout(batch: Batch, length: int) -> dict:
             "table": torch.where(index < chunks_per_document[:, None], table, chunks),
         }
 
-    return batch.preprocessed(("blockzoo.ssm", "chunks", length), compute)
+    return batch.preprocessed(("blockzoo_ssm", "chunks", length), compute)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def _sequential_selective_scan(u, delta, A, B, C, batch, *, state, initial):
 def _padded_rows(batch: Batch) -> torch.Tensor:
     """Each token's row when the documents are padded to the longest one and stacked."""
     return batch.preprocessed(
-        ("blockzoo.ssm", "padded_rows"), lambda: batch.document_index * batch.max_length + positions_in_batch(batch)
+        ("blockzoo_ssm", "padded_rows"), lambda: batch.document_index * batch.max_length + positions_in_batch(batch)
     )
 
 

@@ -18,7 +18,7 @@ Gradients shared between programs are written as partial sums and added by torch
 (program lane, channel), dB and dC per (channel block, token). A channel block never spans two groups: its size
 divides channels // groups.
 
-Used by `blockzoo.ssm.selective_scan` on CUDA; imports triton, so import it only there (or under
+Used by `blockzoo_ssm.selective_scan` on CUDA; imports triton, so import it only there (or under
 TRITON_INTERPRET=1 with CPU tensors, as the tests do).
 """
 

@@ -1,5 +1,5 @@
-"""blockzoo.ssm's slice functions under sequence-data parallelism, on gloo: the convolution's halo and the SSM state
-passed over the group (`blockzoo.ssm.state_passing`) give the outputs, the carry and every gradient of the whole
+"""blockzoo_ssm's slice functions under sequence-data parallelism, on gloo: the convolution's halo and the SSM state
+passed over the group (`blockzoo_ssm.state_passing`) give the outputs, the carry and every gradient of the whole
 sequence in one process (float64).
 
 One spawn of 4 ranks runs sdp4 (the world) and sdp2 (two groups of two, side by side); each sequence is run as
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from test_ssm_numerics import conv_inputs, selective_inputs, ssd_inputs
 
 from blockzoo.layers.base import SequenceData, slice_batch
-from blockzoo.ssm import (
+from blockzoo_ssm import (
     causal_conv1d,
     causal_conv1d_slice,
     selective_scan,
@@ -25,7 +25,7 @@ from blockzoo.ssm import (
     ssd_scan,
     ssd_scan_slice,
 )
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 F64 = torch.float64
 WORLD = 4

@@ -1,4 +1,4 @@
-"""`convolved_ssd_scan` on its kernel path (`blockzoo.ssm.conv_scan`: the convolution recomputed in the backward pass)
+"""`convolved_ssd_scan` on its kernel path (`blockzoo_ssm.conv_scan`: the convolution recomputed in the backward pass)
 against the torch path run in float64 on the CPU — the convolution then `ssd_scan` — output and every gradient, over
 packed documents not aligned to the chunks, with x‖B‖C and dt read in place from a wider tensor (in_proj's output);
 and what its forward pass keeps: besides its inputs, the scan's output and two index vectors, never the
@@ -30,7 +30,7 @@ TOLERANCE = {"cpu": 1e-3, "cuda": 2e-2}  # the interpreter's fp32 products; CUDA
 
 
 def layout():
-    from blockzoo.ssm.conv_scan import ScanLayout
+    from blockzoo_ssm.conv_scan import ScanLayout
 
     return ScanLayout((HEADS * HEAD_SIZE, GROUPS * STATE, GROUPS * STATE), HEAD_SIZE, STATE)
 
@@ -56,9 +56,9 @@ def leaves(device, dtype, lengths=LENGTHS, seed=0):
 
 def forward(inputs, lengths, *, kernels: bool) -> torch.Tensor:
     """y; `kernels`: through the kernel path, else the convolution then `ssd_scan` (the torch path on the CPU)."""
-    from blockzoo.ssm import conv_scan
-    from blockzoo.ssm.conv import causal_conv1d
-    from blockzoo.ssm.scan import ssd_scan
+    from blockzoo_ssm import conv_scan
+    from blockzoo_ssm.conv import causal_conv1d
+    from blockzoo_ssm.scan import ssd_scan
 
     projected = inputs["projected"]
     batch = Batch(lengths, device=projected.device)
@@ -134,7 +134,7 @@ def _relative_error(value, reference) -> float:
 def _stand_in_for_cuda() -> None:
     """What mamba_ssm's launch code asks of CUDA, for CPU tensors under the interpreter: a device context, an SM
     count; and one autotune config per SSD kernel."""
-    from blockzoo.ssm.kernels import SSD_MODULES, import_mamba_ssm, restrict_autotuning
+    from blockzoo_ssm.kernels import SSD_MODULES, import_mamba_ssm, restrict_autotuning
 
     torch.cuda.device = lambda index: contextlib.nullcontext()
     torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=4)
@@ -146,7 +146,7 @@ def _run_under_interpreter() -> None:
     """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 in its environment)."""
     patch_for_numpy()
     _stand_in_for_cuda()
-    from blockzoo.ssm import conv_scan
+    from blockzoo_ssm import conv_scan
 
     conv_scan.uses_kernels = lambda xbc, weight: True  # CPU tensors: the interpreter runs the kernels
     failures = check("cpu")
@@ -162,7 +162,7 @@ def test_interpreter_matches_the_torch_path_and_keeps_no_convolution():
 
 @pytest.mark.gpu
 def test_kernels_on_cuda_match_the_torch_path_and_hold_less_after_the_forward():
-    from blockzoo.ssm import conv_scan
+    from blockzoo_ssm import conv_scan
 
     assert conv_scan.uses_kernels(torch.empty(8, 8, device="cuda"), torch.empty(8, 4, device="cuda"))
     assert not check("cuda")

@@ -1,4 +1,4 @@
-"""blockzoo.ssm on CUDA: `ssd_scan` through mamba_ssm's Triton kernel against the torch path (run on the CPU in
+"""blockzoo_ssm on CUDA: `ssd_scan` through mamba_ssm's Triton kernel against the torch path (run on the CPU in
 float64), the adapter finding the Triton-only mamba_ssm, and the time of the first call (autotuning included).
 Needs a GPU and mamba_ssm (built with MAMBA_SKIP_CUDA_BUILD=TRUE); skipped without CUDA, fails without mamba_ssm.
 See the times with `pytest -s` (they are printed either way).
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm import causal_conv1d, gated_rms_norm, import_mamba_ssm, kernels, mamba_ssm_available, scan, ssd_scan
+from blockzoo_ssm import causal_conv1d, gated_rms_norm, import_mamba_ssm, kernels, mamba_ssm_available, scan, ssd_scan
 
 pytestmark = pytest.mark.gpu
 
@@ -103,7 +103,7 @@ def test_autotuning_is_bounded_by_default():
 _TUNE_ONCE = """
 import torch
 from blockzoo.layers.base import Batch
-from blockzoo.ssm import causal_conv1d, ssd_scan
+from blockzoo_ssm import causal_conv1d, ssd_scan
 lengths = [300, 200]
 batch = Batch(lengths, device="cuda")
 x = torch.randn(500, 4, 32, device="cuda", requires_grad=True)
@@ -303,7 +303,7 @@ def test_slice_functions_on_cuda_match_the_cpu(capsys):
     """The slice functions (micro-sequences: the kernels with initial states and final states) over consecutive
     slices on CUDA against the same on the CPU in float64."""
     from blockzoo.layers.base import slice_batch
-    from blockzoo.ssm import causal_conv1d_slice, selective_scan_slice, ssd_scan_slice
+    from blockzoo_ssm import causal_conv1d_slice, selective_scan_slice, ssd_scan_slice
 
     lengths, boundaries = [37, 1, 300, 128, 90], [37, 50, 338, 380, 500]
     cuts = [0, *boundaries]

@@ -10,10 +10,10 @@ from blockzoo.layers.base import Batch
 from blockzoo.layers.config import InitializationConfig, UniformInitializationConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
-from blockzoo.ssm.config import ConvolutionConfig
-from blockzoo.ssm.conv import causal_conv1d
-from blockzoo.ssm.kernels import mamba_ssm_available
-from blockzoo.ssm.slices import causal_conv1d_slice
+from blockzoo_ssm.config import ConvolutionConfig
+from blockzoo_ssm.conv import causal_conv1d
+from blockzoo_ssm.kernels import mamba_ssm_available
+from blockzoo_ssm.slices import causal_conv1d_slice
 
 
 class CausalConvolution(nn.Module):
@@ -64,6 +64,11 @@ class CausalConvolution(nn.Module):
         """Over a slice of longer sequences: (y, carry), `causal_conv1d_slice`; `previous`: the preceding slice's
         carry, its last kernel_size - 1 inputs (None at the start)."""
         return causal_conv1d_slice(x, self.weight, self.bias, batch, previous, activation=activation)
+
+    def new_state(self, num_sequences: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Zero generation state: the last kernel_size - 1 inputs of each sequence [sequences, channels,
+        kernel_size - 1], this rank's channels."""
+        return torch.zeros(num_sequences, len(self.weight), self.kernel_size - 1, device=device, dtype=dtype)
 
     def flops(self, tokens: int) -> tuple[int, int]:
         """(forward, backward): one multiply-add per tap, channel and token; the backward computes the input's

@@ -1,4 +1,4 @@
-"""blockzoo.ssm over slices of longer sequences, on one process: the scans' initial and final states and the
+"""blockzoo_ssm over slices of longer sequences, on one process: the scans' initial and final states and the
 convolution's preceding inputs against the float64 step-by-step references (values and gradients), then each slice
 function run over consecutive slices (micro-sequences, the carry passed along) against the whole sequence in one
 call: outputs and the gradients of every input, with documents that straddle slice boundaries, documents shorter
@@ -20,7 +20,7 @@ from test_ssm_numerics import (
 )
 
 from blockzoo.layers.base import Batch, slice_batch
-from blockzoo.ssm import (
+from blockzoo_ssm import (
     causal_conv1d,
     causal_conv1d_slice,
     selective_scan,
@@ -239,7 +239,7 @@ def test_the_kernel_call_passes_the_initial_state_and_returns_the_final_one(monk
     """`mamba_chunk_scan` hands the initial state to mamba_chunk_scan_combined as `initial_states` [1, heads,
     head_size, state] and takes its `final_states` back: a stand-in with the kernel's contract (the state enters
     the first document, seq_idx resets it at every other; the final state is the last token's) checks the call."""
-    from blockzoo.ssm import kernels
+    from blockzoo_ssm import kernels
 
     def combined(x, dt, A, B, C, chunk_size, D, seq_idx, dt_bias, dt_softplus, dt_limit, **states):
         assert set(states) == {"initial_states", "return_final_states"} and states["return_final_states"]

@@ -1,4 +1,4 @@
-"""Implementations of the SSM initialization types of `blockzoo.ssm.config` (registered by the core's plugin)."""
+"""Implementations of the SSM initialization types of `blockzoo_ssm.config` (registered by the core's plugin)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from blockzoo.ssm.config import (
+from blockzoo_ssm.config import (
     ALogRangeInitializationConfig,
     ALogStateInitializationConfig,
     DtBiasInitializationConfig,

@@ -1,13 +1,14 @@
-"""The configs the SSM mixers share: their initialization types (kind `initialization`, registered by the core's
-plugin) and their causal convolution.
+"""The configs the SSM mixers share: their initialization types (kind `initialization`, registered by this
+distribution's plugin, `blockzoo_ssm.plugin`), their causal convolution, and the checks of the SSD mixers' heads
+and B/C groups.
 
 Torch-free, so a mixer's config module can name them as its defaults; the implementations (same signature as
-every initialization: `fn(tensor, config, generator)`) are in `blockzoo.ssm.initialization`.
+every initialization: `fn(tensor, config, generator)`) are in `blockzoo_ssm.initialization`.
 """
 
 from __future__ import annotations
 
-from blockzoo.config import Config, at_least, check, configclass, field, greater_than
+from blockzoo.config import Config, ConfigFieldError, at_least, check, configclass, field, greater_than
 from blockzoo.layers.config import BiasConfig, InitializationConfig, ParameterConfig
 
 
@@ -67,3 +68,21 @@ class ConvolutionConfig(Config):
     @property
     def has_bias(self) -> bool:
         return self.bias.enabled is not False
+
+
+def check_head_groups(heads: int, groups: int) -> None:
+    """The heads share the B/C groups evenly (head h reads group h // (heads / groups)); else ConfigFieldError on
+    `groups`."""
+    check(groups <= heads, "groups", f"must be <= heads ({heads}), got {groups}")
+    check(heads % groups == 0, "groups", f"must divide heads ({heads}), got {groups}")
+
+
+def check_groups_tensor_parallel(groups: int, tensor_parallel: int) -> None:
+    """Tensor-parallel ranks hold whole B/C groups with their heads (`blockzoo_ssm.dims`); else ConfigFieldError on
+    `groups`."""
+    if groups % tensor_parallel:
+        raise ConfigFieldError(
+            "groups",
+            f"tensor_parallel={tensor_parallel} must divide groups ({groups}): heads and their B/C groups are split "
+            "between tensor-parallel ranks (raise groups, as mamba_ssm requires too)",
+        )

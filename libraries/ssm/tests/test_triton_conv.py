@@ -1,4 +1,4 @@
-"""The Triton causal convolution (`blockzoo.ssm.triton_conv`) against a float64 tap-by-tap loop written here: the
+"""The Triton causal convolution (`blockzoo_ssm.triton_conv`) against a float64 tap-by-tap loop written here: the
 output and the gradients of x, weight and bias, over packed documents of odd lengths, one-token documents, kernel
 sizes 1 to 4, with and without bias and silu, x read in place from a wider tensor (in_proj's output); with the inputs
 before the batch (a slice of a longer sequence), their gradient too.
@@ -56,8 +56,8 @@ def reference_conv(x, weight, bias, lengths, activation):
 
 def relative_errors(lengths, channels, kernel_size, with_bias, activation, dtype, device, seed=0):
     """{"y": error, "x": error of dx, ...} of the kernel against the float64 loop on the same (rounded) inputs."""
-    from blockzoo.ssm.scan import positions_in_batch
-    from blockzoo.ssm.triton_conv import causal_conv1d_triton
+    from blockzoo_ssm.scan import positions_in_batch
+    from blockzoo_ssm.triton_conv import causal_conv1d_triton
 
     generator = torch.Generator().manual_seed(seed)
     tokens = sum(lengths)
@@ -108,7 +108,7 @@ def initial_input_errors(lengths, channels, kernel_size, device, seed=0):
     """{"y": error, "initial": error of its gradient, ...} of `triton_causal_conv1d` with `initial` against the
     float64 loop over the batch with the initial inputs put in front of its first document (their outputs left
     out)."""
-    from blockzoo.ssm.conv import triton_causal_conv1d
+    from blockzoo_ssm.conv import triton_causal_conv1d
 
     generator = torch.Generator().manual_seed(seed)
     stored = kernel_size - 1
@@ -191,8 +191,8 @@ def test_interpreter_matches_the_float64_loop():
 
 def test_the_shifted_torch_formulation_matches_the_float64_loop():
     """`shifted_causal_conv1d` (what torch.compile is measured on against the kernels) computes the same, in fp32."""
-    from blockzoo.ssm.conv import shifted_causal_conv1d
-    from blockzoo.ssm.scan import positions_in_batch
+    from blockzoo_ssm.conv import shifted_causal_conv1d
+    from blockzoo_ssm.scan import positions_in_batch
 
     lengths = [5, 1, 9, 3]
     generator = torch.Generator().manual_seed(1)
@@ -213,7 +213,7 @@ def test_the_shifted_torch_formulation_matches_the_float64_loop():
 
 
 def test_the_dispatch_rules():
-    from blockzoo.ssm import conv
+    from blockzoo_ssm import conv
 
     x, weight = torch.zeros(4, 16), torch.zeros(16, 4)
     assert not conv.uses_triton_kernel(x, weight, None)  # CPU tensors: the torch path
@@ -261,7 +261,7 @@ def test_cuda_matches_the_float64_loop(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_causal_conv1d_takes_the_kernel_on_cuda_and_equals_the_cudnn_path(dtype, monkeypatch):
-    from blockzoo.ssm import conv
+    from blockzoo_ssm import conv
 
     lengths = [37, 1, 300, 128, 90]
     x, weight, bias = torch.randn(sum(lengths), 96 + 40).cuda(), torch.randn(96, 4).cuda(), torch.randn(96).cuda()
@@ -299,8 +299,8 @@ def test_speed_against_cudnn_and_torch_compile(monkeypatch):
     2304 channels read from in_proj's 4384-wide bf16 output, kernel 4, silu, fp32 weights): the Triton kernels,
     the cuDNN path (causal_conv1d's torch path on CUDA) and torch.compile of `shifted_causal_conv1d`, and checks
     that all three agree. The project keeps its kernel only where it beats torch.compile."""
-    from blockzoo.ssm import conv
-    from blockzoo.ssm.scan import positions_in_batch
+    from blockzoo_ssm import conv
+    from blockzoo_ssm.scan import positions_in_batch
 
     lengths, channels, width = [2048] * 8, 2304, 4384
     batch = Batch(lengths, device="cuda")

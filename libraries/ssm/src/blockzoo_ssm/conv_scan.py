@@ -20,9 +20,9 @@ import attrs
 import torch
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm.conv import _int32_positions, causal_conv1d, uses_triton_kernel
-from blockzoo.ssm.kernels import mamba_ssm_available, ssd_combined
-from blockzoo.ssm.scan import _int32_document_index, ssd_scan
+from blockzoo_ssm.conv import _int32_positions, causal_conv1d, uses_triton_kernel
+from blockzoo_ssm.kernels import mamba_ssm_available, ssd_combined
+from blockzoo_ssm.scan import _int32_document_index, ssd_scan
 
 
 @attrs.frozen
@@ -98,7 +98,7 @@ class _ConvolvedScan(torch.autograd.Function):
     def backward(ctx, dout):
         xbc, weight, bias, dt, A, D, dt_bias, positions, seq_idx, out = ctx.saved_tensors
         layout, chunk_size, dt_softplus, dt_limit = ctx.options
-        from blockzoo.ssm.triton_conv import conv_backward
+        from blockzoo_ssm.triton_conv import conv_backward
 
         convolved = _convolve(xbc, weight, bias, positions)  # again: what the forward pass did not keep
         x, b, c = layout.split(convolved)
@@ -113,6 +113,6 @@ class _ConvolvedScan(torch.autograd.Function):
 
 
 def _convolve(xbc, weight, bias, positions) -> torch.Tensor:
-    from blockzoo.ssm.triton_conv import conv_forward
+    from blockzoo_ssm.triton_conv import conv_forward
 
     return conv_forward(xbc, weight, bias, positions, True)

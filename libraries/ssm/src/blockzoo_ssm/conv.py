@@ -1,6 +1,6 @@
 """Depthwise causal convolution over packed documents (Mamba's conv1d), restarting at every document.
 
-On CUDA without a generation state it runs the project's Triton kernels (`blockzoo.ssm.triton_conv`, imported only
+On CUDA without a generation state it runs the project's Triton kernels (`blockzoo_ssm.triton_conv`, imported only
 then); otherwise the torch path here, which is also their reference.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from blockzoo.layers.base import Batch
-from blockzoo.ssm.scan import positions_in_batch
+from blockzoo_ssm.scan import positions_in_batch
 
 ACTIVATIONS = (None, "silu")
 # What the Triton kernels take: channels a multiple of 8 (16-byte aligned rows), up to 8 taps, these dtypes.
@@ -42,7 +42,7 @@ def causal_conv1d(
 
     `initial` ([kernel_size - 1, channels], differentiable; slices of longer sequences): the inputs just before the
     batch's first token, read by the taps of its first document (rows that are not of that document must be zeros:
-    `blockzoo.ssm.slices` masks them). Not with `state`.
+    `blockzoo_ssm.slices` masks them). Not with `state`.
     """
     _check(x, weight, bias, batch, activation, state, initial)
     if uses_triton_kernel(x, weight, state):
@@ -88,7 +88,7 @@ def triton_causal_conv1d(
     initial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`causal_conv1d`'s Triton path (no state), on CUDA or under the Triton interpreter."""
-    from blockzoo.ssm.triton_conv import causal_conv1d_triton
+    from blockzoo_ssm.triton_conv import causal_conv1d_triton
 
     stored = weight.shape[1] - 1
     if initial is None or stored == 0:
@@ -105,7 +105,7 @@ def _triton_installed() -> bool:
 
 
 def _int32_positions(batch: Batch) -> torch.Tensor:
-    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch", "int32"), lambda: positions_in_batch(batch).int())
+    return batch.preprocessed(("blockzoo_ssm", "positions_in_batch", "int32"), lambda: positions_in_batch(batch).int())
 
 
 def _int32_positions_after(batch: Batch, stored: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _int32_positions_after(batch: Batch, stored: int) -> torch.Tensor:
         positions = positions_in_batch(batch) + stored * (batch.document_index == 0)
         return torch.cat([torch.arange(stored, device=batch.device), positions]).int()
 
-    return batch.preprocessed(("blockzoo.ssm", "positions_in_batch", "int32", "after", stored), compute)
+    return batch.preprocessed(("blockzoo_ssm", "positions_in_batch", "int32", "after", stored), compute)
 
 
 def shifted_causal_conv1d(
@@ -157,7 +157,7 @@ def _state_rows(batch: Batch, stored: int) -> dict[str, torch.Tensor]:
             "last": (end[:, None] - stored + offsets).flatten(),
         }
 
-    return batch.preprocessed(("blockzoo.ssm", "conv_state_rows", stored), compute)
+    return batch.preprocessed(("blockzoo_ssm", "conv_state_rows", stored), compute)
 
 
 def _with_stored_inputs(x: torch.Tensor, state: torch.Tensor | None, rows: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""blockzoo.ssm on the CPU: every function against a float64 step-by-step reference written here (plain loops over
+"""blockzoo_ssm on the CPU: every function against a float64 step-by-step reference written here (plain loops over
 time per document), gradients (gradcheck in float64), generation state, the initializations and the mamba_ssm adapter.
 
 The references index groups explicitly (head h reads group h // (heads // groups)) and restart the state at every
@@ -24,7 +24,7 @@ from blockzoo.layers.config import InitializationConfig, ResolvedParameter
 from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.plugins import get_registry
-from blockzoo.ssm import (
+from blockzoo_ssm import (
     ALogRangeInitializationConfig,
     ALogStateInitializationConfig,
     DtBiasInitializationConfig,
@@ -36,8 +36,8 @@ from blockzoo.ssm import (
     selective_scan,
     ssd_scan,
 )
-from blockzoo.ssm import scan as scan_module
-from blockzoo.ssm.initialization import initialize_a_log_range, initialize_a_log_state, initialize_dt_bias
+from blockzoo_ssm import scan as scan_module
+from blockzoo_ssm.initialization import initialize_a_log_range, initialize_a_log_state, initialize_dt_bias
 
 F64 = torch.float64
 LENGTHS = [7, 1, 13, 6]  # None a multiple of the chunk sizes 4 and 5, and a one-token document.
@@ -488,7 +488,7 @@ def test_a_log_state_counts_along_the_last_dimension():
     torch.testing.assert_close(a_log, torch.log(torch.arange(1.0, 6.0)).expand(3, 5))
 
 
-def test_initializations_are_registered_and_validated(core_only_registry):
+def test_initializations_are_registered_and_validated(ssm_registry):
     registry = get_registry()
     for config, function in [
         (DtBiasInitializationConfig(), initialize_dt_bias),
@@ -507,7 +507,7 @@ def test_initializations_are_registered_and_validated(core_only_registry):
         structure({"type": "a_log_range", "low": 4.0, "high": 2.0}, InitializationConfig)
 
 
-def test_parameter_factory_uses_the_ssm_initializations(core_only_registry):
+def test_parameter_factory_uses_the_ssm_initializations(ssm_registry):
     distributed = Distributed(DistributedConfig(seed=5, backend="gloo"), world_size=1, rank=0, local_rank=0)
     settings = ResolvedParameter(initialization=ALogStateInitializationConfig(), lr_scale=1.0, weight_decay=False)
     a_log = create_parameter("mixer.a_log", (TensorDim("inner", 4), TensorDim("state", 3)), settings, distributed)
@@ -517,8 +517,23 @@ def test_parameter_factory_uses_the_ssm_initializations(core_only_registry):
     assert F.softplus(dt_bias.detach()).min() >= 1e-3 - 1e-7 and F.softplus(dt_bias.detach()).max() <= 0.1 + 1e-7
 
 
+def test_a_config_naming_them_without_blockzoo_ssm_says_what_to_install(core_only_registry):
+    with pytest.raises(
+        ConfigError, match=r"unknown initialization type 'dt_bias' .*plugin 'ssm' \(blockzoo-ssm .*\) is disabled"
+    ):
+        structure({"type": "dt_bias"}, InitializationConfig)
+    del get_registry().plugins["ssm"]  # as where blockzoo-ssm is not installed: no entry point, no record
+    with pytest.raises(
+        ConfigError, match=r"initialization type 'dt_bias' is provided by blockzoo-ssm, which is not installed"
+    ):
+        structure({"type": "dt_bias"}, InitializationConfig)
+
+
 def test_config_module_and_package_import_no_torch():
-    code = "import sys, blockzoo.ssm, blockzoo.ssm.config, blockzoo.builtin; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, blockzoo_ssm, blockzoo_ssm.config, blockzoo_ssm.plugin, blockzoo.builtin;"
+        " assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
@@ -751,7 +766,7 @@ def test_cache_autotuning_switches_every_autotuner_on(monkeypatch):
 
 def test_the_convolution_kernels_cache_their_autotuning():
     pytest.importorskip("triton")
-    from blockzoo.ssm import triton_conv
+    from blockzoo_ssm import triton_conv
 
     assert kernels.autotuners([triton_conv]) == [triton_conv._forward_autotuned, triton_conv._backward_autotuned]
     assert all(kernel.cache_results for kernel in kernels.autotuners([triton_conv]))

@@ -6,7 +6,7 @@ and what the next slice needs (`SSMCarry`'s parts), differentiable both ways:
 
 - one slice after another (micro-sequences; no group): the convolution reads `previous`'s last inputs and the scan
   starts from `previous`'s state, when the first piece continues a document;
-- sequence-data parallelism (a group, `blockzoo.ssm.state_passing`): the convolution gets its halo from the ranks
+- sequence-data parallelism (a group, `blockzoo_ssm.state_passing`): the convolution gets its halo from the ranks
   before; each rank scans its slice from a zero state, the ranks combine their final states and decays, and each
   rank corrects the outputs of its first piece with its true initial state h0 (the scans are linear in the state):
   y_t += C_t · exp(Σ_{k<=t} dt_k·A) · h0 for SSD (per head), and for Mamba 1's selective scan the scan of a zero
@@ -22,9 +22,9 @@ import torch
 
 from blockzoo.api import depend_on, initial_state_over_ranks  # the public rank-combining step
 from blockzoo.layers.base import Batch
-from blockzoo.ssm.conv import causal_conv1d
-from blockzoo.ssm.scan import selective_scan, ssd_scan, time_step
-from blockzoo.ssm.state_passing import convolution_halo, group_of
+from blockzoo_ssm.conv import causal_conv1d
+from blockzoo_ssm.scan import selective_scan, ssd_scan, time_step
+from blockzoo_ssm.state_passing import convolution_halo, group_of
 
 
 class SSMCarry(NamedTuple):

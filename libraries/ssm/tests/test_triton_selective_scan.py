@@ -1,4 +1,4 @@
-"""The Triton selective scan (`blockzoo.ssm.triton_selective_scan`) against a float64 step-by-step loop written
+"""The Triton selective scan (`blockzoo_ssm.triton_selective_scan`) against a float64 step-by-step loop written
 here: the output and the gradients of u, delta, A, B and C, over packed documents of odd lengths; with initial
 states (each document's) and final states, their values and gradients too (a slice of a longer sequence).
 
@@ -77,7 +77,7 @@ def make_inputs(lengths, channels, groups, state_size, dtype, device, seed=0):
 def relative_errors(lengths, channels, groups, state_size, dtype, device, states=False):
     """{"y": error, "u": error of du, ...} of the kernel against the float64 loop on the same (rounded) inputs,
     both on `device`; with `states`, from random initial states, the final states in the loss."""
-    from blockzoo.ssm.triton_selective_scan import selective_scan_triton
+    from blockzoo_ssm.triton_selective_scan import selective_scan_triton
 
     inputs, output_weights = make_inputs(lengths, channels, groups, state_size, dtype, device)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -149,7 +149,7 @@ def test_interpreter_matches_the_float64_loop():
 
 def test_bad_inputs_are_named():
     pytest.importorskip("triton")
-    from blockzoo.ssm.triton_selective_scan import selective_scan_triton
+    from blockzoo_ssm.triton_selective_scan import selective_scan_triton
 
     inputs, _ = make_inputs((3, 2), 6, 2, 4, torch.float32, "cpu")
     cu_seqlens = torch.tensor([0, 3, 5], dtype=torch.int32)
@@ -237,7 +237,7 @@ def _assert_close(result, expected, tolerance, what):
 def test_cuda_speed_against_a_torch_loop():
     """Prints forward and forward+backward times at SPEED_SHAPE (fp32 and bf16 inputs) against a plain torch loop
     on the GPU, and checks that both agree there."""
-    from blockzoo.ssm.triton_selective_scan import selective_scan_triton
+    from blockzoo_ssm.triton_selective_scan import selective_scan_triton
 
     documents, length, channels, state_size = SPEED_SHAPE
     inputs, output_weights, cu_seqlens = _speed_inputs()
@@ -267,7 +267,7 @@ def test_cuda_speed_against_a_torch_loop():
 def test_cuda_tile_shapes(monkeypatch):
     """Prints forward+backward times at SPEED_SHAPE for a few tile shapes (to choose the defaults) and checks
     that they agree."""
-    from blockzoo.ssm import triton_selective_scan as module
+    from blockzoo_ssm import triton_selective_scan as module
 
     documents, _, channels, state_size = SPEED_SHAPE
     inputs, output_weights, cu_seqlens = _speed_inputs()

@@ -64,11 +64,24 @@ def mamba_ssm_available() -> bool:
         if importlib.util.find_spec("mamba_ssm") is not None:
             warnings.warn(
                 f"mamba_ssm is installed but does not import ({type(error).__name__}: {error}); "
-                "blockzoo.ssm uses its torch paths",
+                "blockzoo_ssm uses its torch paths",
                 stacklevel=2,
             )
         return False
     return True
+
+
+def missing_kernels_advice(distribution: str) -> list[str]:
+    """A plugin's `check_environment` for the SSD scan: on CUDA without mamba_ssm the scan still runs, on the much
+    slower torch path; say so, naming `distribution`'s `kernels` extra."""
+    import blockzoo_ssm  # the package's name, the one that code (and tests) replace
+
+    if torch.cuda.is_available() and not blockzoo_ssm.mamba_ssm_available():
+        return [
+            "CUDA is available but mamba_ssm does not import: the SSD scan takes the slow torch path "
+            f"(install the `kernels` extra: pip install '{distribution}[kernels]')"
+        ]
+    return []
 
 
 def mamba_chunk_scan(
