@@ -49,7 +49,7 @@ from blockzoo.api import (
     previous_slice,
 )
 from blockzoo.plugins import register_plugin
-from blockzoo.testing import (
+from blockzoo_testing import (
     ConformanceError,
     ConverterSectionConformance,
     MixerConformance,
@@ -768,7 +768,7 @@ def test_the_pytest_plugin_is_loaded_without_torch(pytester):
 
         @pytest.mark.distributed
         def test_nothing_of_blockzoo_is_imported_but_the_plugin():
-            assert "blockzoo.testing.pytest_plugin" in sys.modules
+            assert "blockzoo_testing.pytest_plugin" in sys.modules
             assert "torch" not in sys.modules
         """
     )

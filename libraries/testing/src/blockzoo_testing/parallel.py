@@ -30,8 +30,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch, Layer, SequenceData, slice_ranges
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, SEQUENCE_TENSOR_PARALLEL, TENSOR_PARALLEL
 from blockzoo.plugins import get_registry
-from blockzoo.testing.distributed import run_distributed
-from blockzoo.testing.layers import (
+from blockzoo_testing.distributed import run_distributed
+from blockzoo_testing.layers import (
     _DECODING_FIX,
     DECODING_LENGTHS,
     DECODING_STEPS,
@@ -48,7 +48,7 @@ from blockzoo.testing.layers import (
     run_layer,
     single_process,
 )
-from blockzoo.testing.layouts import straddling_lengths
+from blockzoo_testing.layouts import straddling_lengths
 
 DEFAULT_LENGTHS = (5, 1, 6)  # 12 tokens: sequence-tensor-parallel splits them between 2, 3, 4 or 6 ranks.
 DEFAULT_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -323,7 +323,7 @@ def check_sequence_data_parallel(
     runs beside copies of itself). `cases`: name -> a config, or its plain data structured as `config_class`.
 
     `lengths` None (the default): each (N, L) runs its own batch, `straddling_lengths(N, L, seed=seed)`
-    (`blockzoo.testing.layouts`), whose every slice continues a document, with a slice wholly inside a continued
+    (`blockzoo_testing.layouts`), whose every slice continues a document, with a slice wholly inside a continued
     document and another holding a document start, so that each state passed between ranks and steps shows in the
     outputs. Given, every (N, L) runs those documents.
 

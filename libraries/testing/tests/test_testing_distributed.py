@@ -1,4 +1,4 @@
-"""`blockzoo.testing.run_distributed`: real gloo ranks, and a master port taken meanwhile is retried elsewhere."""
+"""`blockzoo_testing.run_distributed`: real gloo ranks, and a master port taken meanwhile is retried elsewhere."""
 
 import socket
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import blockzoo.testing.distributed
-from blockzoo.testing.distributed import free_port, run_distributed
+import blockzoo_testing.distributed
+from blockzoo_testing.distributed import free_port, run_distributed
 
 
 def _sum_of_ranks(expected: int) -> None:
@@ -30,7 +30,7 @@ def test_a_port_taken_before_the_ranks_bind_it_is_retried(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         ports = [taken.getsockname()[1], free_port()]
-        monkeypatch.setattr(blockzoo.testing.distributed, "free_port", lambda: ports.pop(0))
+        monkeypatch.setattr(blockzoo_testing.distributed, "free_port", lambda: ports.pop(0))
         run_distributed(2, _sum_of_ranks, 1)
     assert ports == []  # the taken port, then the other
 
@@ -38,7 +38,7 @@ def test_a_port_taken_before_the_ranks_bind_it_is_retried(monkeypatch):
 @pytest.mark.distributed
 def test_other_failures_are_raised_at_once(monkeypatch):
     picked = []
-    monkeypatch.setattr(blockzoo.testing.distributed, "free_port", lambda: picked.append(free_port()) or picked[-1])
+    monkeypatch.setattr(blockzoo_testing.distributed, "free_port", lambda: picked.append(free_port()) or picked[-1])
     with pytest.raises(Exception, match="a real failure"):
         run_distributed(2, _fails)
     assert len(picked) == 1

@@ -4,7 +4,7 @@ fails it with the kit's defaults, and the right one passes.
 - sequence_data_parallel: a gated linear recurrence (`kitrec.decaying_sum`, plugins/kit_layers.py) right, with the
   decay between ranks replaced by its square root, dropping the state it receives, or handing the next step its own
   state; all three are right in one process, slice after slice, so only the ranks' check can see them. It sees them
-  because its batches are generated (`blockzoo.testing.layouts`): every slice continues a document, one lies wholly
+  because its batches are generated (`blockzoo_testing.layouts`): every slice continues a document, one lies wholly
   inside a continued document, over 2 and 4 ranks, with and without micro-sequences. The generator's properties are
   checked by hypothesis against an independent reading of the lengths; the fixed layout the kit used before is shown
   to let the square-root decay through.
@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from blockzoo.api import MixerConfig, PluginInfo
 from blockzoo.errors import PluginError
 from blockzoo.plugins import capability_api_problem, get_registry
-from blockzoo.testing import ConformanceError, MixerConformance, check_sequence_data_parallel
-from blockzoo.testing.layouts import layout_problems, straddling_lengths
+from blockzoo_testing import ConformanceError, MixerConformance, check_sequence_data_parallel
+from blockzoo_testing.layouts import layout_problems, straddling_lengths
 
 sys.path.insert(0, str(Path(__file__).parent / "plugins"))
 import kit_layers

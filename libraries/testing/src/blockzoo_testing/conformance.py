@@ -2,7 +2,7 @@
 
 A plugin author subclasses one in a test module and provides a small config of the plugin's type::
 
-    from blockzoo.testing import MixerConformance
+    from blockzoo_testing import MixerConformance
 
     class TestGatedConv(MixerConformance):
         def config_factory(self):
@@ -24,11 +24,11 @@ Options are class attributes (`hidden_size`, `lengths`, `tolerance`, `tensor_par
   outputs and every gradient; `generation_cache`: prefill then token by token equals the full forward;
   `sequence_data_parallel`: the batch cut into slices run one after the other (`forward_slice`, carries passed on)
   equals the whole forward, and split over 2 and 4 gloo ranks (with and without micro-sequences) equals one process,
-  on generated batches whose every slice continues a document (`blockzoo.testing.layouts`);
+  on generated batches whose every slice continues a document (`blockzoo_testing.layouts`);
 - a model using the layer survives a checkpoint save / load; `flops` is reported and scales with the tokens.
 
-The pieces these checks are made of serve a plugin's own tests too: `blockzoo.testing.layers` (build a layer, run
-it, compare it) and `blockzoo.testing.parallel` (`check_tensor_parallel` on many cases at once).
+The pieces these checks are made of serve a plugin's own tests too: `blockzoo_testing.layers` (build a layer, run
+it, compare it) and `blockzoo_testing.parallel` (`check_tensor_parallel` on many cases at once).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from blockzoo.layers.base import MLP, Batch, Layer, Mixer
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MixerConfig, MLPConfig
 from blockzoo.layers.parameter import materialize
 from blockzoo.plugins import ENTRY_POINT_GROUP, TypeEntry, get_registry
-from blockzoo.testing.layers import (
+from blockzoo_testing.layers import (
     ConformanceError,
     LayerSignature,
     _build,
@@ -83,7 +83,7 @@ from blockzoo.testing.layers import (
     layer_signature,
     single_process,
 )
-from blockzoo.testing.parallel import check_sequence_data_parallel, check_tensor_parallel
+from blockzoo_testing.parallel import check_sequence_data_parallel, check_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,7 +111,7 @@ class LayerConformance:
     # When the type declares sequence_data_parallel: the slice lengths run one after the other in one process (they
     # must divide the tokens of `lengths`; 4 makes documents straddle slices), the sequence-data-parallel sizes on
     # gloo (all in one set of processes) and the micro-sequence lengths checked with them (None: one slice a rank),
-    # each pair on its own generated batch whose every slice continues a document (blockzoo.testing.layouts).
+    # each pair on its own generated batch whose every slice continues a document (blockzoo_testing.layouts).
     slice_lengths: ClassVar[tuple[int, ...]] = (1, 4, 6)
     sequence_data_parallel_sizes: ClassVar[tuple[int, ...]] = (2, 4)
     micro_sequence_lengths: ClassVar[tuple[int | None, ...]] = (None, 3)
@@ -482,7 +482,7 @@ class LayerConformance:
         config = self._config()
         if SEQUENCE_DATA_PARALLEL not in config.capabilities:
             pytest.skip(f"{type(config).__name__} does not declare sequence_data_parallel")
-        # Not `lengths`: generated batches whose every slice continues a document (blockzoo.testing.layouts), all
+        # Not `lengths`: generated batches whose every slice continues a document (blockzoo_testing.layouts), all
         # sizes in one set of processes.
         check_sequence_data_parallel(
             self.kind_config,

@@ -1,0 +1,90 @@
+"""The slice checks of a recurrent mixer whose carry is a causal convolution's last inputs and a scan's state (the
+Mamba family's `blockzoo_ssm.SSMCarry`: `convolution` [kernel_size - 1, channels], `state`): one check that each
+such mixer's tests call, with its own float64 reference and its own generation state.
+
+The layout is fixed on purpose: 16 tokens in documents of 5, 1, 7 and 3; slices of 2 end on the document boundary
+at 6, slices of 4 hold whole short documents and cut the long one, slices of 1 are shorter than a convolution's
+kernel_size - 1. Under sequence-data parallelism: `check_sequence_data_parallel` (blockzoo_testing.parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from blockzoo.layers.base import Batch, Layer, slice_batch
+from blockzoo_testing.layers import ConformanceError, _mismatch, check_forward_slices, layer_inputs
+
+RECURRENT_LENGTHS = (5, 1, 7, 3)
+RECURRENT_SLICE_LENGTHS = (1, 2, 4)
+# The convolution's carry holds the very inputs generation stores (the same projection of the same tokens).
+_INPUTS_TOLERANCE = {"atol": 1e-6, "rtol": 1e-6}
+
+
+def check_recurrent_slices(
+    layer: Layer,
+    *,
+    tolerance: Mapping[str, float] | None = None,
+    reference_forward: Callable[[Layer, torch.Tensor, list[int]], torch.Tensor] | None = None,
+    reference_tolerance: Mapping[str, float] | None = None,
+    generation_carry: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    lengths: Sequence[int] = RECURRENT_LENGTHS,
+    slice_lengths: Sequence[int] = RECURRENT_SLICE_LENGTHS,
+) -> list[Any]:
+    """A recurrent mixer's `forward_slice`, slice after slice over packed documents of `lengths` (each slice taking
+    the carry of the one before), for each of `slice_lengths`; what is checked is what is given:
+
+    - `tolerance`: the slices give the whole forward's output, input gradient and every parameter gradient
+      (`check_forward_slices`);
+    - `reference_forward(layer, hidden, lengths)` (float64, the layer's own parameters): the slices' outputs equal it
+      within `reference_tolerance`;
+    - `generation_carry(state)` -> (convolution [kernel_size - 1, channels], state) of sequence 0 of a generation
+      state (`new_state`) in the carry's layout: the carry after the last slice (of the last slice length) equals
+      what generation keeps after the last document, the one still open (the scan's state within `tolerance`, the
+      convolution's rows of that document within 1e-6).
+
+    Returns the carry after the last slice, for each slice length (in order), for checks of its type."""
+    if reference_forward is not None and reference_tolerance is None:
+        raise ValueError("check_recurrent_slices: a reference_forward needs its reference_tolerance")
+    if tolerance is not None:
+        for slice_length in slice_lengths:
+            check_forward_slices(layer, lengths=lengths, slice_length=slice_length, tolerance=tolerance)
+    hidden, _ = layer_inputs(sum(lengths), layer.hidden_dim.global_size)
+    runs = [_outputs_over_slices(layer, hidden, list(lengths), slice_length) for slice_length in slice_lengths]
+    problems = []
+    if reference_forward is not None:
+        expected = reference_forward(layer, hidden, list(lengths))
+        for slice_length, (output, _) in zip(slice_lengths, runs, strict=True):
+            what = f"the output of slices of {slice_length} tokens against the reference"
+            problems.append(_mismatch(output.double(), expected, reference_tolerance, what))
+    if generation_carry is not None:
+        problems += _carry_problems(layer, hidden, lengths[-1], runs[-1][1], generation_carry, tolerance)
+    problems = [problem for problem in problems if problem]
+    if problems:
+        raise ConformanceError("\n".join(problems))
+    return [carry for _, carry in runs]
+
+
+def _outputs_over_slices(layer: Layer, hidden: torch.Tensor, lengths: list[int], slice_length: int):
+    outputs, carry = [], None
+    with torch.no_grad():
+        for start in range(0, len(hidden), slice_length):
+            stop = start + slice_length
+            output, carry = layer.forward_slice(hidden[start:stop], slice_batch(lengths, start, stop), carry)
+            outputs.append(output)
+    return torch.cat(outputs), carry
+
+
+def _carry_problems(layer, hidden, last_length, carry, generation_carry, tolerance) -> list[str | None]:
+    state = layer.new_state(1, len(hidden), hidden.device, hidden.dtype)
+    document = hidden[-last_length:]  # the last document: the one still open after the last slice
+    with torch.no_grad():
+        layer(document, Batch([len(document)], past_lengths=[0]), state)
+    convolution, scan_state = generation_carry(state)
+    rows = len(document)  # the carry's rows before the document are of the documents before it
+    return [
+        _mismatch(carry.state, scan_state, tolerance or {"atol": 1e-5, "rtol": 1e-5}, "the carry's state"),
+        _mismatch(carry.convolution[-rows:], convolution[-rows:], _INPUTS_TOLERANCE, "the carry's convolution inputs"),
+    ]
