@@ -23,8 +23,8 @@ from blockzoo.config import structure
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 WEIGHT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}

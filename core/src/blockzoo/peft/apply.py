@@ -4,6 +4,12 @@ Every `Linear` resolves, per component, its `apply_peft` (its config's, else the
 attention's query and value on, everything else off). `apply_peft` freezes every parameter of the model (lr_scale 0:
 no gradient, no optimizer state) and gives each linear with an enabled component the adapter the method's
 implementation makes; a plugin's linears take part through their `LinearConfig.apply_peft` without code of theirs.
+
+A method's adapter module (`implementation(config, linear, distributed)`, registered with the method's config by a
+plugin: LoRA is blockzoo-lora's) adds its update to the linear's local output (`forward`), folds it into the weight
+(`merge_into(weight, sign)`, `merged`), and may rename its parameters between versions (`former_parameter_names()`:
+checkpoints written before load under the new names). A fine-tuning's checkpoints hold the adapters' parameters
+only (`is_adapter_parameter`), naming their base (`blockzoo.model.peft_base`).
 """
 
 from __future__ import annotations
@@ -62,6 +68,17 @@ def adapters(model: nn.Module) -> Iterator[tuple[Linear, nn.Module]]:
     for module in model.modules():
         if isinstance(module, Linear) and module.adapter is not None:
             yield module, module.adapter
+
+
+def former_adapter_names(model: nn.Module) -> dict[str, str]:
+    """{name before, name now} of the adapter parameters of `model` whose name changed, for loading checkpoints
+    written before: what each adapter's optional `former_parameter_names()` says (names under the adapter)."""
+    renamed = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Linear) and hasattr(module.adapter, "former_parameter_names"):
+            for before, now in module.adapter.former_parameter_names().items():
+                renamed[f"{prefix}.adapter.{before}"] = f"{prefix}.adapter.{now}"
+    return renamed
 
 
 def is_adapter_parameter(name: str) -> bool:

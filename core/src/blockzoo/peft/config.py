@@ -1,14 +1,15 @@
 """Configs of the fine-tuning methods (`model.peft`): a polymorphic kind, `peft`, that plugins may extend. Torch-free.
 
 A method's implementation (registered with its config) is a module class made as `implementation(config, linear,
-distributed)` for each linear whose resolved `apply_peft` is true; see `blockzoo.peft.apply`.
+distributed)` for each linear whose resolved `apply_peft` is true; see `blockzoo.peft.apply`. LoRA (`type: lora`) is
+the blockzoo-lora distribution's; `LoraConfig` is still importable from here when it is installed.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from blockzoo.config import PolymorphicConfig, at_least, check, configclass, field, greater_than
+from blockzoo.config import PolymorphicConfig, configclass
 
 
 @configclass
@@ -19,18 +20,12 @@ class PeftConfig(PolymorphicConfig):
     default_type: ClassVar[str | None] = None
 
 
-@configclass
-class LoraConfig(PeftConfig):
-    """LoRA: each adapted linear's output gains `(alpha / rank) · B A x`, A `[rank, in]`, B `[out, rank]` (zeros at
-    first), for each enabled component of a concatenated linear its own A and B. Base weights are frozen."""
-
-    rank: int = field(8, doc="Rank of the update B A.", validator=at_least(1))
-    alpha: float = field(16.0, doc="The update is scaled by alpha / rank.", validator=greater_than(0))
-    dropout: float = field(0.0, doc="Dropout on the adapter's input (training only).", validator=at_least(0))
-
-    def __attrs_post_init__(self) -> None:
-        check(self.dropout < 1, "dropout", f"must be < 1, got {self.dropout}")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+def __getattr__(name: str):
+    # LoRA moved to the blockzoo-lora distribution: its config, imported from here by name, comes from there.
+    if name == "LoraConfig":
+        try:
+            from blockzoo_lora.config import LoraConfig
+        except ImportError:
+            raise ImportError("LoraConfig is blockzoo-lora's: pip install blockzoo-lora") from None
+        return LoraConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

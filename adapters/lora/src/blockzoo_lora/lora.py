@@ -26,7 +26,7 @@ from torch import nn
 from blockzoo.layers.config import ZEROS, ResolvedParameter, UniformInitializationConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
-from blockzoo.peft.config import LoraConfig
+from blockzoo_lora.config import LoraConfig
 
 if TYPE_CHECKING:
     from blockzoo.distributed.runtime import Distributed
@@ -41,19 +41,6 @@ def component_keys(linear: Linear) -> tuple[str, ...]:
     if len(dims) == 1 or len(set(names)) < len(names) or not all(name.isidentifier() for name in names):
         return tuple(str(index) for index in range(len(dims)))
     return names
-
-
-def renamed_adapter_parameters(model: nn.Module) -> dict[str, str]:
-    """{name before, name now} of the adapter parameters whose name changed: checkpoints written before adapters
-    took their components' names hold `<linear>.adapter.lora_a.<index>`; loading them reads those as the new names."""
-    renamed = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, LoraAdapter):
-            for index, key in enumerate(module.keys):
-                if key != str(index) and key in module.lora_a:
-                    for part in ("lora_a", "lora_b"):
-                        renamed[f"{prefix}.{part}.{index}"] = f"{prefix}.{part}.{key}"
-    return renamed
 
 
 class LoraAdapter(nn.Module):
@@ -95,6 +82,17 @@ class LoraAdapter(nn.Module):
                 distributed,
                 **b_options,
             )
+
+    def former_parameter_names(self) -> dict[str, str]:
+        """{name before, name now} (under the adapter) of the parameters whose name changed: checkpoints written before
+        adapters took their components' names hold `lora_a.<index>`; the loader reads those as the new names
+        (`blockzoo.peft.apply.former_adapter_names`)."""
+        renamed = {}
+        for index, key in enumerate(self.keys):
+            if key != str(index) and key in self.lora_a:
+                for part in ("lora_a", "lora_b"):
+                    renamed[f"{part}.{index}"] = f"{part}.{key}"
+        return renamed
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """The update of this rank's local output for `input` (the linear's input once local to this rank)."""

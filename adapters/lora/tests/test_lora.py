@@ -26,11 +26,11 @@ from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch
 from blockzoo.model.factory import base_reference, check_base
 from blockzoo.peft.apply import adapters, merge_adapters, unmerge_adapters
-from blockzoo.peft.config import LoraConfig
 from blockzoo.run_config import RunConfig
 from blockzoo.training.config import AdamWConfig
 from blockzoo.training.optimizer import AdamW
 from blockzoo.training.trainer import Trainer
+from blockzoo_lora.config import LoraConfig
 
 VOCAB, LENGTHS = 64, [7, 5]
 LORA = {"type": "lora", "rank": 3, "alpha": 6.0}
@@ -267,7 +267,7 @@ def test_bad_lora_fields_are_refused_by_path(peft, field):
 def test_the_memory_benchmark_counts_the_adapters_only(tmp_path):
     """benchmarks/lora_memory.py --tiny: LoRA trains the adapters of query ([8, 64], [64, 8]) and value ([8, 64],
     [32, 8]) in 2 blocks; full fine-tuning every parameter; gradients are 4 bytes per trainable parameter."""
-    script = Path(__file__).parents[1] / "benchmarks" / "lora_memory.py"
+    script = Path(__file__).parents[3] / "benchmarks" / "lora_memory.py"  # the repository's
     output = tmp_path / "results.json"
     subprocess.run([sys.executable, str(script), "--tiny", "--steps", "1", "--json", str(output)], check=True)
     full, lora = json.loads(output.read_text())
