@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from blockzoo.data import formats
 from blockzoo.data.config import (
     BlendedDatasetConfig,
     DatasetConfig,
@@ -51,3 +52,8 @@ def register(register: Callable) -> None:
     register("embedded", EmbeddedDatasetConfig, "blockzoo.data.embedded:EmbeddedDataset")
     register("random", RandomDatasetConfig, "blockzoo.data.synthetic:RandomDataset")
     register("blended", BlendedDatasetConfig, "blockzoo.data.blended:BlendedDataset")
+    # `blockzoo prepare`'s input formats that need no library (blockzoo-corpora registers the others).
+    register("text", formats.TextFormatConfig, "blockzoo.data.readers:TextFormat")
+    register("paragraphs", formats.ParagraphsFormatConfig, "blockzoo.data.readers:ParagraphsFormat")
+    register("jsonl", formats.JsonlFormatConfig, "blockzoo.data.readers:JsonlFormat")
+    register("gz", formats.GzipCompressionConfig, "blockzoo.data.formats:open_gzip")

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-# As in blockzoo.data.inputs, repeated so that `--help` imports nothing.
-FORMATS = ("auto", "text", "paragraphs", "jsonl", "parquet", "arrow", "datasets")
-
 
 def register_data_command(subparsers: argparse._SubParsersAction) -> None:
     """Add `blockzoo prepare` and `blockzoo data` to the `blockzoo` command's subparsers."""
@@ -19,11 +16,11 @@ def register_data_command(subparsers: argparse._SubParsersAction) -> None:
             "the dataset is complete once it exists) and the token and offset files of its shards (PREFIX.bin and "
             "PREFIX.idx, or PREFIX.00000.bin ... for a large corpus), what a `data: {type: memmap, path: PREFIX}` "
             "config reads. INPUT: files, directories (their recognised files, sorted) and globs (quote them). "
-            "Formats (--format auto picks by name): parquet (*.parquet), arrow (*.arrow: Arrow IPC files and "
-            "streams, `datasets` cache files), datasets (a directory of `save_to_disk`), jsonl (*.jsonl, .jsonl.gz, "
-            ".jsonl.zst), text (*.txt, *.md: a file is a document), paragraphs (text; documents between blank "
-            "lines). Columnar formats and .zst need `pip install 'blockzoo[datasets]'`. Documents with no text are "
-            "skipped; the tokenizer's end-of-document token (the byte tokenizer's id 256) ends every document. "
+            "Formats (--format auto picks by name; `blockzoo plugins` lists the installed ones): jsonl (*.jsonl, "
+            ".jsonl.gz), text (*.txt, *.md: a file is a document), paragraphs (text; documents between blank lines); "
+            "with `pip install blockzoo-corpora`: parquet (*.parquet), arrow (*.arrow: Arrow IPC files and streams, "
+            "`datasets` cache files), datasets (a directory of `save_to_disk`) and .zst files. Documents with no text "
+            "are skipped; the tokenizer's end-of-document token (the byte tokenizer's id 256) ends every document. "
             "One worker or many write the same files; an interrupted run leaves no dataset that looks complete, "
             "and running it again starts afresh."
         ),
@@ -37,7 +34,7 @@ def register_data_command(subparsers: argparse._SubParsersAction) -> None:
         help="`byte` (UTF-8 bytes, 257 ids; the default) or a Hugging Face tokenizer.json (needs `tokenizers`)",
     )
     parser.add_argument(
-        "--format", choices=FORMATS, default="auto", help="the input format (default: auto, by file name)"
+        "--format", default="auto", metavar="NAME", help="the input format (default: auto, by file name)"
     )
     parser.add_argument(
         "--field", metavar="NAME", help="the column (Parquet, Arrow, datasets) or JSONL key of the text (default: text)"
