@@ -11,9 +11,9 @@ import torch
 
 from blockzoo import config as configs
 from blockzoo.api import Distributed
-from blockzoo.testing import build_layer, single_process
 from blockzoo_gated_delta_net.config import GatedDeltaNetConfig
 from blockzoo_gated_delta_net.gated_delta_net import GatedDeltaNet
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2025
 HIDDEN = 16

@@ -17,8 +17,8 @@ from gated_delta_net_reference import (
 
 import blockzoo_gated_delta_net.delta_rule as delta_rule_module
 from blockzoo.api import Batch, ConfigError
-from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, run_layer, single_process
 from blockzoo_gated_delta_net.delta_rule import gated_delta_rule
+from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, run_layer, single_process
 
 LENGTHS = [5, 1, 7]  # Not multiples of the chunk size (4), and a document of one token.
 SMALL = {"key_heads": 2, "value_heads": 4, "key_head_size": 4, "value_head_size": 3, "chunk_size": 4}

@@ -2,7 +2,7 @@
 meta-device construction, packed documents, every field, gradients, tensor and sequence-tensor parallel, decoding,
 checkpoints and FLOPs, as any plugin's mixer is checked."""
 
-from blockzoo.testing import MixerConformance
+from blockzoo_testing import MixerConformance
 
 
 class TestGatedDeltaNetConformance(MixerConformance):

@@ -5,8 +5,8 @@ rank, in one set of two gloo processes. Key heads the ranks do not divide are re
 import pytest
 from gated_delta_net_reference import AROUND_ONE, RANDOM, SEED, STRONG_DECAY
 
-from blockzoo.testing import check_tensor_parallel
 from blockzoo_gated_delta_net.config import GatedDeltaNetConfig
+from blockzoo_testing import check_tensor_parallel
 
 CASES = {
     "one-key-head-per-rank-grouped-values": {

@@ -3,7 +3,7 @@ without torch, every architecture field claimed, config and weights both ways bi
 claimed. The format itself (against transformers) is blockzoo-huggingface's tests; the mixer against transformers'
 own layer is test_gated_delta_net_transformers.py."""
 
-from blockzoo.testing import ConverterSectionConformance
+from blockzoo_testing import ConverterSectionConformance
 
 
 class TestGatedDeltaNetQwen3NextSectionConformance(ConverterSectionConformance):

@@ -11,8 +11,8 @@ import torch
 from gated_delta_net_reference import AROUND_ONE, STRONG_DECAY, build
 
 from blockzoo.layers.base import Batch
-from blockzoo.testing import layer_inputs
 from blockzoo_gated_delta_net.huggingface import QWEN3_NEXT
+from blockzoo_testing import layer_inputs
 
 transformers = pytest.importorskip("transformers")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

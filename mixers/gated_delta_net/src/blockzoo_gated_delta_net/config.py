@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     Config,
@@ -23,7 +24,7 @@ from blockzoo.api import (
     configclass,
     field,
 )
-from blockzoo.ssm import ConvolutionConfig
+from blockzoo_ssm import ConvolutionConfig
 
 # The components of the fused input projection, in this order: q‖k‖v is the convolution's input.
 IN_PROJ_COMPONENTS = ("q", "k", "v", "z", "b", "a")
@@ -60,7 +61,9 @@ class GatedDeltaNetConfig(MixerConfig):
     the in_proj components, the convolution's channels, dt_bias and A_log; out_proj is row-parallel.
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     key_heads: int = field(
         16, doc="Query/key heads (Qwen3-Next `linear_num_key_heads`, fla `num_heads`).", validator=at_least(1)

@@ -1,5 +1,5 @@
-"""The gated delta rule over packed documents: a torch chunked (WY) form, a one-token recurrent step, and
-flash-linear-attention's Triton kernel on CUDA when it is installed.
+"""The gated delta rule over packed documents: a torch chunked (WY) form, a one-token recurrent step, and the
+dispatch to a kernel on CUDA (blockzoo's own Triton kernels, `triton_delta_rule`, or flash-linear-attention's).
 
 Per value head, with the state S [key_head_size, value_head_size] (fla's and HF's layout):
 
@@ -20,6 +20,7 @@ import functools
 import importlib
 import importlib.util
 import math
+import os
 import warnings
 
 import torch
@@ -29,21 +30,27 @@ from blockzoo.api import Batch
 L2_NORM_EPSILON = 1.0e-6  # Qwen3-Next's and fla's: x · rsqrt(Σ x² + ε)
 
 
+def _imports(package: str, module: str, failure: str) -> bool:
+    """Whether `module` imports when `package` is installed; an installed one that fails is said once (`failure`:
+    what is installed and what is taken instead)."""
+    if importlib.util.find_spec(package) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        warnings.warn(f"{failure} ({type(error).__name__}: {error})", stacklevel=3)
+        return False
+    return True
+
+
 @functools.cache
 def fla_available() -> bool:
     """Whether flash-linear-attention's chunked gated delta rule imports, checked once per process."""
-    if importlib.util.find_spec("fla") is None:
-        return False
-    try:
-        importlib.import_module("fla.ops.gated_delta_rule")
-    except ImportError as error:
-        warnings.warn(
-            f"flash-linear-attention is installed but does not import ({type(error).__name__}: {error}); "
-            "gated_delta_net uses its torch path",
-            stacklevel=2,
-        )
-        return False
-    return True
+    return _imports(
+        "fla",
+        "fla.ops.gated_delta_rule",
+        "flash-linear-attention is installed but does not import; gated_delta_net uses its torch path",
+    )
 
 
 @functools.cache
@@ -58,14 +65,57 @@ def fla_backward_refused() -> bool:
     return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and no_tilelang)
 
 
+KERNEL_VARIABLE = "BLOCKZOO_GATED_DELTA_NET_KERNEL"
+KERNELS = ("auto", "fla", "triton", "torch")
+
+
+@functools.cache
+def triton_kernel_available() -> bool:
+    """Whether blockzoo's own Triton kernels (`triton_delta_rule`) import, checked once per process."""
+    return _imports(
+        "triton",
+        "blockzoo_gated_delta_net.triton_delta_rule",
+        "triton is installed but blockzoo's Gated DeltaNet kernels do not import; gated_delta_net uses fla's kernel "
+        "or its torch path",
+    )
+
+
+def _triton_takes(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    from blockzoo_gated_delta_net.triton_delta_rule import supports
+
+    return chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0 and supports(q.shape[-1], v.shape[-1])
+
+
+def choose_kernel(q: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor, chunk_size: int = 64) -> str:
+    """Which kernel `gated_delta_rule` takes for a chunked pass (one-token generation steps take the recurrence):
+    "fla", "triton" (blockzoo's own) or "torch".
+
+    On the CPU, torch. On CUDA, flash-linear-attention's kernel wherever it may run: installed, and, when a gradient
+    will be wanted of the inputs, its backward not refused (fla 0.6 refuses it on Hopper with Triton 3.6); else
+    blockzoo's Triton kernels (power-of-two chunks of at least 16 tokens, head sizes 16 to 256); else torch. fla
+    first where both may run (its kernels are the tuned ones; ours have not yet been timed against them on a GPU).
+    The environment variable BLOCKZOO_GATED_DELTA_NET_KERNEL=fla|triton|torch forces one (a kernel that cannot run
+    here raises); "triton" also runs on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+    forced = os.environ.get(KERNEL_VARIABLE, "auto")
+    if forced not in KERNELS:
+        raise ValueError(f"{KERNEL_VARIABLE}={forced!r}: expected one of {', '.join(KERNELS)}")
+    if forced == "auto" and not q.is_cuda:
+        return "torch"
+    wants_gradient = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (q, v, *tensors))
+    fla_runs = q.is_cuda and fla_available() and not (wants_gradient and fla_backward_refused())
+    triton_here = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    ours_runs = triton_here and triton_kernel_available() and _triton_takes(q, v, chunk_size)
+    if forced != "auto":
+        runs = {"fla": fla_runs, "triton": ours_runs, "torch": True}[forced]
+        if not runs:
+            raise ValueError(f"{KERNEL_VARIABLE}={forced}: that kernel cannot run here (not installed or refused)")
+        return forced
+    return "fla" if fla_runs else "triton" if ours_runs else "torch"
+
+
 def uses_fla_kernel(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether `gated_delta_rule` takes flash-linear-attention's kernel (but for one-token generation steps): CUDA,
-    fla importable, and, when a gradient will be wanted of `q` or `tensors`, fla's backward usable here (else the
-    torch path: on an H200 with Triton 3.6 fla 0.6 refuses it)."""
-    if not (q.is_cuda and fla_available()):
-        return False
-    wants_gradient = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (q, *tensors))
-    return not (wants_gradient and fla_backward_refused())
+    """Whether `gated_delta_rule` takes flash-linear-attention's kernel (but for one-token generation steps)."""
+    return choose_kernel(q, *(tensors or (q,))) == "fla"
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -92,24 +142,62 @@ def gated_delta_rule(
     batch. Computed in fp32 (float64 for float64 inputs) on the torch path; the output has the dtype of `v`.
     """
     _check(q, k, v, g, beta, batch, state)
-    one_token_steps = state is not None and batch.max_length == 1  # decoding: the recurrence itself, on any device
-    if uses_fla_kernel(q, k, v, g, beta) and not one_token_steps:
-        return _fla_gated_delta_rule(q, k, v, g, beta, batch, state)
-    dtype = torch.promote_types(v.dtype, torch.float32)
-    repeat = v.shape[1] // k.shape[1]
-    q, k = (l2_normalize(x.to(dtype)).repeat_interleave(repeat, dim=1) for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
-    initial = None if state is None else state.detach().to(dtype)
-    if one_token_steps:
-        output, final = recurrent_step(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), initial)
+    if state is not None and batch.max_length == 1:  # decoding: the recurrence itself, on any device
+        dtype = torch.promote_types(v.dtype, torch.float32)
+        q, k = _normalized_per_value_head(q, k, v, dtype)
+        output, final = recurrent_step(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), state.detach().to(dtype))
+        output = output.to(v.dtype)
     else:
-        output, final = chunked_gated_delta_rule(
-            q, k, v.to(dtype), g.to(dtype), beta.to(dtype), batch, chunk_size=chunk_size, initial=initial
-        )
+        initial = None if state is None else state.detach()
+        output, final = gated_delta_rule_from(q, k, v, g, beta, batch, chunk_size=chunk_size, initial=initial)
     if state is not None:
         with torch.no_grad():
             state.copy_(final)
-    return output.to(v.dtype)
+    return output
+
+
+def gated_delta_rule_from(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    batch: Batch,
+    *,
+    chunk_size: int = 64,
+    initial: torch.Tensor | None = None,
+    kernel: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, final states [documents, value_heads, key_head_size, value_head_size]) of the chunked gated delta rule,
+    each document from its `initial` state (None: zeros), differentiable in every input and in `initial` (what a
+    slice of a longer sequence needs); on `kernel` ("fla", "triton" or "torch"; None: as `choose_kernel` picks).
+    Inputs as `gated_delta_rule`'s; o has v's dtype, the final states fp32 (float64 for float64 inputs)."""
+    if kernel is None:
+        kernel = choose_kernel(q, v, k, g, beta, *([] if initial is None else [initial]), chunk_size=chunk_size)
+    if kernel == "fla":
+        return _fla_gated_delta_rule(q, k, v, g, beta, batch, initial)
+    if kernel == "triton":
+        return _triton_gated_delta_rule(q, k, v, g, beta, batch, initial, chunk_size)
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k = _normalized_per_value_head(q, k, v, dtype)
+    output, final = chunked_gated_delta_rule(
+        q,
+        k,
+        v.to(dtype),
+        g.to(dtype),
+        beta.to(dtype),
+        batch,
+        chunk_size=chunk_size,
+        initial=None if initial is None else initial.to(dtype),
+    )
+    return output.to(v.dtype), final
+
+
+def _normalized_per_value_head(q, k, v, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k L2-normalised in `dtype`, q scaled, repeated to one per value head."""
+    repeat = v.shape[1] // k.shape[1]
+    q, k = (l2_normalize(x.to(dtype)).repeat_interleave(repeat, dim=1) for x in (q, k))
+    return q * q.shape[-1] ** -0.5, k
 
 
 def recurrent_step(
@@ -169,12 +257,17 @@ def chunked_gated_delta_rule(
     chunk_decay = last.exp()[..., None]
 
     state = q.new_zeros(documents, heads, key_size, value_size) if initial is None else initial
-    outputs = []
-    for chunk in range(chunks):  # the state passes from chunk to chunk
-        u = u_values[:, :, chunk] - w_keys[:, :, chunk] @ state
-        outputs.append(decayed_q[:, :, chunk] @ state + scores[:, :, chunk] @ u)
-        state = chunk_decay[:, :, chunk] * state + to_end[:, :, chunk].transpose(-1, -2) @ u
-    output = torch.stack(outputs, dim=2).flatten(2, 3).transpose(1, 2)  # [documents, padded length, heads, size]
+    # Only the state passes from chunk to chunk; the outputs of all chunks are computed together afterwards.
+    # unbind, not indexing: each indexed chunk's backward would write a whole zero tensor (quadratic in chunks).
+    starting_states, new_values = [], []
+    per_chunk = (x.unbind(2) for x in (u_values, w_keys, chunk_decay, to_end.transpose(-1, -2)))
+    for u_chunk, w_chunk, decay, to_end_chunk in zip(*per_chunk, strict=True):
+        starting_states.append(state)
+        u = u_chunk - w_chunk @ state
+        new_values.append(u)
+        state = decay * state + to_end_chunk @ u
+    output = decayed_q @ torch.stack(starting_states, dim=2) + scores @ torch.stack(new_values, dim=2)
+    output = output.flatten(2, 3).transpose(1, 2)  # [documents, padded length, heads, size]
     return output[rows], state
 
 
@@ -188,7 +281,7 @@ def _positions(batch: Batch) -> torch.Tensor:
     return batch.preprocessed(("gated_delta_net", "positions"), compute)
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, batch, state) -> torch.Tensor:
+def _fla_gated_delta_rule(q, k, v, g, beta, batch, initial) -> tuple[torch.Tensor, torch.Tensor]:
     """flash-linear-attention's Triton kernel over the packed documents (its varlen form: one row, cu_seqlens)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -199,15 +292,21 @@ def _fla_gated_delta_rule(q, k, v, g, beta, batch, state) -> torch.Tensor:
         g.float().unsqueeze(0).contiguous(),
         beta.to(v.dtype).unsqueeze(0).contiguous(),
         scale=q.shape[-1] ** -0.5,
-        initial_state=None if state is None else state.detach(),
-        output_final_state=state is not None,
+        initial_state=initial,
+        output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=batch.cu_seqlens.long(),
     )
-    if state is not None:
-        with torch.no_grad():
-            state.copy_(final)
-    return output[0]
+    return output[0], final
+
+
+def _triton_gated_delta_rule(q, k, v, g, beta, batch, initial, chunk_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """blockzoo's Triton kernels: q and k normalised (in fp32, stored in their dtype) and q scaled here."""
+    from blockzoo_gated_delta_net.triton_delta_rule import triton_gated_delta_rule
+
+    q = (l2_normalize(q.float()) * q.shape[-1] ** -0.5).to(q.dtype)
+    k = l2_normalize(k.float()).to(k.dtype)
+    return triton_gated_delta_rule(q, k, v, g.float(), beta, batch.cu_seqlens, initial, chunk_size=chunk_size)
 
 
 def _check(q, k, v, g, beta, batch, state) -> None:

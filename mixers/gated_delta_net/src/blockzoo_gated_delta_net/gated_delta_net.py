@@ -28,24 +28,32 @@ from blockzoo.api import (
     InitializationConfig,
     Linear,
     Mixer,
-    NormalInitializationConfig,
     ParameterConfig,
     TensorDim,
     create_parameter,
+    linear_options,
+    scaled_lr,
 )
-from blockzoo.ssm import ALogRangeInitializationConfig, CausalConvolution, DtBiasInitializationConfig, gated_rms_norm
 from blockzoo_gated_delta_net.config import IN_PROJ_COMPONENTS, GatedDeltaNetConfig, OutputNormalizationConfig
 from blockzoo_gated_delta_net.delta_rule import gated_delta_rule
+from blockzoo_gated_delta_net.slices import gated_delta_rule_slice
+from blockzoo_ssm import (
+    ALogRangeInitializationConfig,
+    CausalConvolution,
+    DtBiasInitializationConfig,
+    SSMCarry,
+    SSMState,
+    gated_rms_norm,
+)
 
 
-class GatedDeltaNetState:
-    """What generation keeps per sequence: the convolution's last kernel_size - 1 inputs `[sequences, channels,
-    kernel_size - 1]` and the delta rule's state `[sequences, value_heads, key_head_size, value_head_size]` (fp32).
-    Updated in place."""
+class GatedDeltaNetState(SSMState):
+    """`SSMState` with the delta rule's state `[sequences, value_heads, key_head_size, value_head_size]`."""
 
-    def __init__(self, convolution: torch.Tensor, recurrent: torch.Tensor):
-        self.convolution = convolution
-        self.recurrent = recurrent
+    @property
+    def recurrent(self) -> torch.Tensor:
+        """The delta rule's state (`ssm`) under its own name."""
+        return self.ssm
 
 
 class GatedOutputNorm(nn.Module):
@@ -55,7 +63,7 @@ class GatedOutputNorm(nn.Module):
         self, config: OutputNormalizationConfig, *, name: str, head_size: int, distributed: Distributed, lr_scale: float
     ):
         super().__init__()
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         self.epsilon = config.epsilon
         settings = config.weight.resolve(initialization=ONES, lr_scale=lr_scale, weight_decay=False)
         # Each rank normalizes its own heads with it: the gradient is partial, summed over the tensor group.
@@ -78,7 +86,7 @@ class GatedDeltaNet(Mixer):
         distributed: Distributed,
         lr_scale: float,
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         # Key-head-major dims: splitting the key heads splits their value heads and every per-head component alike.
         key_heads_dim = TensorDim("key_heads", config.key_heads, parallel=True)
@@ -111,12 +119,7 @@ class GatedDeltaNet(Mixer):
         self._in_proj_sizes = [sizes["q"] + sizes["k"] + sizes["v"], sizes["z"], sizes["b"], sizes["a"]]
         self._qkv_sizes = [sizes["q"], sizes["k"], sizes["v"]]
 
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_dim.global_size**-0.5)
         self.in_proj = Linear(
             f"{name}.in_proj", [getattr(config, role) for role in IN_PROJ_COMPONENTS], hidden_dim, in_proj_dim, **linear
         )
@@ -151,51 +154,59 @@ class GatedDeltaNet(Mixer):
         return create_parameter(f"{self.name}.{role}", (dim,), settings, self.distributed)
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: GatedDeltaNetState | None = None) -> torch.Tensor:
-        config = self.config
         if state is not None:
-            self._check_state(state, batch)
+            state.check(batch, f"gated_delta_net {self.name!r}")
         qkv, z, b, a = self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
         qkv = self.convolution(qkv, batch, activation="silu", state=None if state is None else state.convolution)
+        output = gated_delta_rule(
+            *self._rule_inputs(qkv, b, a),
+            batch,
+            chunk_size=self.config.chunk_size,
+            state=None if state is None else state.recurrent,
+        )
+        return self._output(output, z)
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
+    ) -> tuple[torch.Tensor, SSMCarry]:
+        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
+        slice (exchanged over the sequence-data group as Mamba's are) and the delta rule starts from the state before
+        it (`slices.gated_delta_rule_slice`: the ranks compose their slices' maps S ↦ A S + B in order); the carry
+        holds the convolution's last inputs and the delta rule's state after the slice."""
+        previous_inputs, previous_state = (None, None) if previous is None else previous
+        qkv, z, b, a = self.in_proj(hidden).split(self._in_proj_sizes, dim=-1)
+        qkv, convolution = self.convolution.forward_slice(qkv, batch, previous_inputs, activation="silu")
+        output, state = gated_delta_rule_slice(
+            *self._rule_inputs(qkv, b, a), batch, previous_state, chunk_size=self.config.chunk_size
+        )
+        return self._output(output, z), SSMCarry(convolution, state)
+
+    def _rule_inputs(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, log α, β) of the delta rule, per head, from the convolution's output and in_proj's b and a."""
+        config = self.config
         q, k, v = qkv.split(self._qkv_sizes, dim=-1)
         # The decay in fp32 whatever the compute dtype (exp(A_log) of a bf16 A_log loses the decay's precision).
         log_decay = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        output = gated_delta_rule(
+        return (
             q.unflatten(-1, (-1, config.key_head_size)),
             k.unflatten(-1, (-1, config.key_head_size)),
             v.unflatten(-1, (-1, config.value_head_size)),
             log_decay,
             b.sigmoid(),
-            batch,
-            chunk_size=config.chunk_size,
-            state=None if state is None else state.recurrent,
         )
-        output = self.normalization(output, z.unflatten(-1, (-1, config.value_head_size)))
-        return self.out_proj(output.flatten(1))
 
-    def _check_state(self, state: GatedDeltaNetState, batch: Batch) -> None:
-        if batch.past_lengths is None:
-            raise ValueError("gated_delta_net with a generation state needs `batch.past_lengths`")
-        if batch.num_documents != len(state.recurrent):
-            raise ValueError(
-                f"the batch has {batch.num_documents} sequences but the state holds {len(state.recurrent)}"
-            )
+    def _output(self, output: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        output = self.normalization(output, z.unflatten(-1, (-1, self.config.value_head_size)))
+        return self.out_proj(output.flatten(1))
 
     def new_state(
         self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype
     ) -> GatedDeltaNetState:
         """Zero states (`max_length` is not needed: the state does not grow with the sequence)."""
-        channels, kernel_size = self.convolution.weight.shape
-        heads, config = len(self.dt_bias), self.config
+        shape = (num_sequences, len(self.dt_bias), self.config.key_head_size, self.config.value_head_size)
         return GatedDeltaNetState(
-            torch.zeros(num_sequences, channels, kernel_size - 1, device=device, dtype=dtype),
-            torch.zeros(
-                num_sequences,
-                heads,
-                config.key_head_size,
-                config.value_head_size,
-                device=device,
-                dtype=torch.float32,
-            ),
+            self.convolution.new_state(num_sequences, device, dtype),
+            torch.zeros(shape, device=device, dtype=torch.float32),
         )
 
     def flops(self, batch: Batch) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from blockzoo.api import (
     WeightMapping,
 )
 from blockzoo_gated_delta_net.config import IN_PROJ_COMPONENTS, GatedDeltaNetConfig
+from blockzoo_ssm.conversion import CONVOLUTION_FILTERS
 
 
 def _component_sizes(config: GatedDeltaNetConfig) -> dict[str, int]:
@@ -73,12 +74,7 @@ def _in_proj(config: GatedDeltaNetConfig) -> WeightMapping:
 def _weights(config: GatedDeltaNetConfig) -> list[WeightMapping]:
     return [
         _in_proj(config),
-        ComputedWeights(  # the depthwise filters: [channels, kernel_size] here, [channels, 1, kernel_size] there
-            ("convolution.weight",),
-            ("conv1d.weight",),
-            import_=lambda tensors: [tensors[0].squeeze(1)],
-            export=lambda tensors: [tensors[0].unsqueeze(1)],
-        ),
+        CONVOLUTION_FILTERS,
         Weight("dt_bias", "dt_bias"),
         Weight("a_log", "A_log"),
         Weight("normalization.weight", "norm.weight"),

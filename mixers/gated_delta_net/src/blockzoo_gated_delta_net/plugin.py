@@ -11,9 +11,9 @@ from blockzoo_gated_delta_net.config import GatedDeltaNetConfig
 def plugin_info() -> PluginInfo:
     return PluginInfo(
         capabilities=tuple(sorted(GatedDeltaNetConfig.capabilities)),
-        description="Gated DeltaNet (Qwen3-Next's linear attention) over packed documents, tensor- and "
-        "sequence-tensor-parallel, with a generation state; flash-linear-attention's Triton kernel on CUDA when "
-        "installed",
+        description="Gated DeltaNet (Qwen3-Next's linear attention) over packed documents, tensor-, "
+        "sequence-tensor- and sequence-data-parallel, with a generation state; on CUDA blockzoo's own Triton kernels "
+        "or flash-linear-attention's when installed",
     )
 
 

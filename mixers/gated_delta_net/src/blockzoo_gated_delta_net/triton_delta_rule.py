@@ -1,0 +1,176 @@
+"""blockzoo's own Triton kernels of the chunked gated delta rule, forward and backward, as one autograd function.
+
+`triton_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial)` takes q and k already L2-normalised (q scaled),
+per key head [tokens, key_heads, key_size]; v [tokens, value_heads, value_size]; g the log decay and beta
+[tokens, value_heads]; the packed documents' cu_seqlens; optionally each document's initial state [documents,
+value_heads, key_size, value_size]. It returns (o in v's dtype, the final states in fp32); both are differentiable,
+and so are all inputs. Kernels: `triton_forward` and `triton_backward`. The forward keeps, for the backward, each
+chunk's starting state, T = (I + A)⁻¹, W and u in fp32 (the state pass is not recomputed).
+
+Imports triton: import this module only on CUDA or under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from blockzoo_gated_delta_net.triton_backward import chunk_gradients, pass_state_gradients
+from blockzoo_gated_delta_net.triton_forward import pass_states, prepare_chunks
+
+CHUNK_SIZE = 64
+# Head sizes the kernels take: a block of key channels holds a whole key head (tl.dot wants >= 16 of them).
+MAX_KEY_SIZE = 256
+MIN_HEAD_SIZE = 16
+# The per-chunk kernels hold several [CHUNK, key_size] and [CHUNK, CHUNK] fp32 tiles: 8 warps spread them over more
+# registers. The state passes take blocks of 32 value channels (more programs, fewer registers each).
+WIDE_WARPS = 8
+
+
+def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
+    block_k = max(MIN_HEAD_SIZE, triton.next_power_of_2(key_size))
+    block_v = max(MIN_HEAD_SIZE, min(32, triton.next_power_of_2(value_size)))
+    return block_k, block_v
+
+
+def supports(key_size: int, value_size: int) -> bool:
+    """Whether the kernels take these head sizes."""
+    return MIN_HEAD_SIZE <= key_size <= MAX_KEY_SIZE and value_size >= MIN_HEAD_SIZE
+
+
+def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    """(first token, end token) of every chunk of every document, documents in order, and each document's first
+    chunk index [documents + 1]. An empty document has no chunk.
+
+    Computed on the device without reading anything back (CUDA graphs capture it; `training.cuda_graphs` replays
+    batches of one shape with other lengths): the chunk slots number a bound known from the shape,
+    tokens // chunk_size + documents >= Σ ceil(length / chunk_size); the slots past the last chunk are empty
+    (first token = end token), and the kernels write nothing for them."""
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    documents = len(cu_seqlens) - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks = (lengths + chunk_size - 1) // chunk_size
+    chunk_offsets = torch.cat([chunks.new_zeros(1), chunks.cumsum(0)])
+    slots = torch.arange(tokens // chunk_size + documents, device=cu_seqlens.device)
+    document = torch.searchsorted(chunk_offsets[1:], slots, right=True).clamp(max=max(documents - 1, 0))
+    within = slots - chunk_offsets[document]
+    starts = cu_seqlens[document] + within * chunk_size
+    ends = torch.minimum(starts + chunk_size, cu_seqlens[document + 1])
+    used = slots < chunk_offsets[-1]
+    starts, ends = torch.where(used, starts, 0), torch.where(used, ends, 0)
+    return starts.to(torch.int32), ends.to(torch.int32), chunk_offsets.to(torch.int32)
+
+
+class TritonGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial, cu_seqlens, chunk_size):
+        tokens, key_heads, key_size = q.shape
+        heads, value_size = v.shape[1:]
+        documents = len(cu_seqlens) - 1
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        starts, ends, chunk_offsets = chunk_layout(cu_seqlens, chunk_size, tokens)
+        chunks = len(starts)
+        block_k, block_v = _blocks(key_size, value_size)
+        sizes = {"heads": heads, "key_heads": key_heads, "key_size": key_size, "value_size": value_size}
+        blocks = {"GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": block_k, "BLOCK_V": block_v}
+        fp32 = {"dtype": torch.float32, "device": q.device}
+
+        log_decay = torch.empty(tokens, heads, **fp32)
+        inverse = torch.empty(chunks, heads, chunk_size, chunk_size, **fp32)
+        w = torch.empty(tokens, heads, key_size, **fp32)
+        u = torch.empty(tokens, heads, value_size, **fp32)
+        if chunks:
+            prepare_chunks[(chunks, heads)](
+                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, num_warps=WIDE_WARPS
+            )
+
+        output = torch.empty_like(v)
+        final = torch.empty(documents, heads, key_size, value_size, **fp32)
+        states = torch.empty(chunks, heads, key_size, value_size, **fp32)
+        new_values = torch.empty(tokens, heads, value_size, **fp32)
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        has_initial = initial is not None
+        initial_tensor = initial.contiguous() if has_initial else final  # not read without an initial state
+        grid = (documents, heads, triton.cdiv(value_size, block_v))
+        if documents:
+            pass_states[grid](
+                q, k, w, u, log_decay, initial_tensor, cu_seqlens, chunk_offsets,
+                output, final, states, new_values,
+                **sizes, HAS_INITIAL=has_initial, **blocks,
+            )  # fmt: skip
+        ctx.save_for_backward(
+            q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets
+        )
+        ctx.settings = (sizes, blocks, has_initial, initial.dtype if has_initial else None, g.dtype, beta.dtype)
+        return output, final
+
+    @staticmethod
+    def backward(ctx, output_gradient, final_gradient):
+        q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets = (
+            ctx.saved_tensors
+        )
+        sizes, blocks, has_initial, initial_dtype, g_dtype, beta_dtype = ctx.settings
+        tokens, heads, value_size = v.shape
+        key_heads, key_size = q.shape[1:]
+        documents, chunks = len(cu_seqlens) - 1, len(starts)
+        fp32 = {"dtype": torch.float32, "device": q.device}
+        output_gradient = torch.zeros_like(v) if output_gradient is None else output_gradient.contiguous()
+        has_final_gradient = final_gradient is not None
+        state_gradients = torch.empty_like(states)
+        new_value_gradients = torch.empty(tokens, heads, value_size, **fp32)
+        initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
+        grid = (documents, heads, triton.cdiv(value_size, blocks["BLOCK_V"]))
+        if documents:
+            pass_state_gradients[grid](
+                q, k, w, log_decay, output_gradient,
+                final_gradient.contiguous() if has_final_gradient else initial_gradient,
+                cu_seqlens, chunk_offsets, state_gradients, new_value_gradients, initial_gradient,
+                **sizes, HAS_FINAL_GRADIENT=has_final_gradient, **blocks,
+            )  # fmt: skip
+        q_gradient = torch.zeros(tokens, heads, key_size, **fp32)
+        k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
+        v_gradient = torch.zeros_like(v)
+        beta_gradient = torch.zeros(tokens, heads, **fp32)
+        g_gradient = torch.zeros(tokens, heads, **fp32)
+        if chunks:
+            chunk_gradients[(chunks, heads)](
+                q, k, v, beta, log_decay, inverse, states, new_values, output_gradient, state_gradients,
+                new_value_gradients, starts, ends, q_gradient, k_gradient, v_gradient, beta_gradient, g_gradient,
+                **sizes, **blocks, num_warps=WIDE_WARPS,
+            )  # fmt: skip
+        group = heads // key_heads
+        # Value head h read key head h // group: a key head's gradient is the sum over its group.
+        q_gradient, k_gradient = (
+            x.view(tokens, key_heads, group, key_size).sum(2).to(q.dtype) for x in (q_gradient, k_gradient)
+        )
+        return (
+            q_gradient,
+            k_gradient,
+            v_gradient,
+            g_gradient.to(g_dtype),
+            beta_gradient.to(beta_dtype),
+            initial_gradient.to(initial_dtype) if has_initial else None,
+            None,
+            None,
+        )
+
+
+def triton_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial: torch.Tensor | None = None,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [tokens, value_heads, value_size] in v's dtype, final states [documents, value_heads, key_size,
+    value_size] fp32) of the gated delta rule over the packed documents (see the module's docstring)."""
+    if not supports(q.shape[-1], v.shape[-1]):
+        raise ValueError(
+            f"triton_gated_delta_rule: head sizes {q.shape[-1]} (key) and {v.shape[-1]} (value) are outside "
+            f"[{MIN_HEAD_SIZE}, {MAX_KEY_SIZE}] (key) and >= {MIN_HEAD_SIZE} (value)"
+        )
+    return TritonGatedDeltaRule.apply(q, k, v, g, beta, initial, cu_seqlens, chunk_size)

@@ -1,0 +1,196 @@
+"""The chunked gated delta rule's forward pass as Triton kernels (the WY / UT form of `delta_rule`'s docstring).
+
+Two kernels, over packed documents cut into chunks of CHUNK tokens (a document's last chunk may be shorter; its
+missing rows read k = v = β = 0 and g = 0, so they change nothing):
+
+- `prepare_chunks` (one program per chunk and value head, all chunks at once): the within-chunk log decays
+  b = cumsum(g), the strictly lower A[t, s] = β_t (k_t·k_s) e^{b_t − b_s}, its inverse T = (I + A)⁻¹ by forward
+  substitution (row by row: exact for the unit lower-triangular system, no matrix powers that lose precision), and
+  the WY factors W = T (β e^b K), U = T (β V).
+- `pass_states` (one program per document, value head and block of value channels; the only sequential part): from
+  the document's initial state S, chunk after chunk, u = U − W S, O = (e^b Q) S + ((Q Kᵀ) ⊙ Γ) u and
+  S ← e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u. It keeps each chunk's starting state and u for the backward pass.
+
+Everything is accumulated in fp32 whatever the inputs' dtype (bf16 inputs are read as they are, converted in
+registers). Value head h reads key head h // GROUP (grouped heads). Imports triton: import it only where Triton runs.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK: tl.constexpr):
+    """The token of each row of `chunk`, and which rows lie inside its document."""
+    start = tl.load(chunk_start_pointer + chunk).to(tl.int64)
+    end = tl.load(chunk_end_pointer + chunk).to(tl.int64)
+    tokens = start + tl.arange(0, CHUNK)
+    return tokens, tokens < end, end - start
+
+
+@triton.jit
+def _load_rows(pointer, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
+    """x[tokens, head, offset : offset + BLOCK] of a [tokens, heads, size] tensor, in fp32 (zeros outside)."""
+    columns = offset + tl.arange(0, BLOCK)
+    mask = valid[:, None] & (columns < size)[None, :]
+    return tl.load(pointer + (tokens * heads + head)[:, None] * size + columns[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _store_rows(pointer, value, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
+    columns = offset + tl.arange(0, BLOCK)
+    mask = valid[:, None] & (columns < size)[None, :]
+    tl.store(pointer + (tokens * heads + head)[:, None] * size + columns[None, :], value, mask=mask)
+
+
+@triton.jit
+def _decay_ratio(b, STRICT: tl.constexpr, CHUNK: tl.constexpr):
+    """Γ[t, s] = e^{b_t − b_s} for s < t (STRICT) or s <= t, zero elsewhere (masked before the exp: above the
+    diagonal the difference may overflow)."""
+    rows = tl.arange(0, CHUNK)
+    keep = rows[:, None] >= rows[None, :] + (1 if STRICT else 0)
+    return tl.where(keep, tl.exp(tl.where(keep, b[:, None] - b[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _last_row(x, count, CHUNK: tl.constexpr):
+    """x[count − 1] of a [CHUNK] vector (the chunk's last token inside its document)."""
+    return tl.sum(tl.where(tl.arange(0, CHUNK) == count - 1, x, 0.0), 0)
+
+
+@triton.jit
+def prepare_chunks(
+    k_pointer,
+    v_pointer,
+    g_pointer,
+    beta_pointer,
+    chunk_start_pointer,
+    chunk_end_pointer,
+    log_decay_pointer,  # out: b [tokens, heads] fp32
+    inverse_pointer,  # out: T [chunks, heads, CHUNK, CHUNK] fp32
+    w_pointer,  # out: W [tokens, heads, key_size] fp32
+    u_pointer,  # out: U [tokens, heads, value_size] fp32
+    heads,
+    key_heads,
+    key_size,
+    value_size,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    tokens, valid, _ = _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK)
+    k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+    g = tl.load(g_pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
+    b = tl.cumsum(g, 0)
+    tl.store(log_decay_pointer + tokens * heads + head, b, mask=valid)
+
+    lower = beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK)
+    # T = (I + A)⁻¹ row by row: T[i] = e_i − Σ_{j<i} A[i, j] T[j] (the rows j < i are final when row i is made).
+    rows = tl.arange(0, CHUNK)
+    inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for i in range(CHUNK):
+        a_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
+        new_row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
+        inverse = tl.where(rows[:, None] == i, new_row[None, :], inverse)
+    base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
+    tl.store(inverse_pointer + base + rows[:, None] * CHUNK + rows[None, :], inverse)
+
+    w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
+    _store_rows(w_pointer, w, tokens, valid, heads, head, key_size, BLOCK_K, 0)
+    for offset in range(0, value_size, BLOCK_V):
+        v = _load_rows(v_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        _store_rows(
+            u_pointer, tl.dot(inverse, v * beta[:, None]), tokens, valid, heads, head, value_size, BLOCK_V, offset
+        )
+
+
+@triton.jit
+def _state_pointers(
+    pointer, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset
+):
+    """Pointers and mask of S[index, head, :, offset : offset + BLOCK_V] in a [n, heads, key_size, value_size]
+    tensor."""
+    keys = tl.arange(0, BLOCK_K)
+    values = offset + tl.arange(0, BLOCK_V)
+    base = (tl.cast(index, tl.int64) * heads + head) * key_size * value_size
+    mask = (keys < key_size)[:, None] & (values < value_size)[None, :]
+    return pointer + base + keys[:, None] * value_size + values[None, :], mask
+
+
+@triton.jit
+def pass_states(
+    q_pointer,
+    k_pointer,
+    w_pointer,
+    u_pointer,
+    log_decay_pointer,
+    initial_pointer,
+    cu_seqlens_pointer,
+    chunk_offsets_pointer,
+    output_pointer,  # out: O [tokens, heads, value_size] (the output's dtype)
+    final_pointer,  # out: [documents, heads, key_size, value_size] fp32
+    states_pointer,  # out: each chunk's starting state [chunks, heads, key_size, value_size] fp32
+    new_values_pointer,  # out: u [tokens, heads, value_size] fp32
+    heads,
+    key_heads,
+    key_size,
+    value_size,
+    HAS_INITIAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    document, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offset = block * BLOCK_V
+    begin = tl.load(cu_seqlens_pointer + document).to(tl.int64)
+    end = tl.load(cu_seqlens_pointer + document + 1).to(tl.int64)
+    first_chunk = tl.load(chunk_offsets_pointer + document)
+    last_chunk = tl.load(chunk_offsets_pointer + document + 1)
+    pointers, mask = _state_pointers(
+        initial_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+    )
+    if HAS_INITIAL:
+        state = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for chunk in range(first_chunk, last_chunk):
+        tokens = begin + (chunk - first_chunk) * CHUNK + tl.arange(0, CHUNK)
+        valid = tokens < end
+        count = tl.minimum(end - begin - (chunk - first_chunk) * CHUNK, CHUNK)
+        pointers, mask = _state_pointers(
+            states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+        )
+        tl.store(pointers, state, mask=mask)
+        q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+        k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+        w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
+        u = _load_rows(u_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
+        u = u - tl.dot(w, state)
+        _store_rows(new_values_pointer, u, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
+        output = tl.dot(q * tl.exp(b)[:, None], state) + tl.dot(scores, u)
+        _store_rows(
+            output_pointer,
+            output.to(output_pointer.dtype.element_ty),
+            tokens,
+            valid,
+            heads,
+            head,
+            value_size,
+            BLOCK_V,
+            offset,
+        )
+        b_last = _last_row(b, count, CHUNK)
+        to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
+        state = tl.exp(b_last) * state + tl.dot(tl.trans(k * to_end[:, None]), u)
+    pointers, mask = _state_pointers(
+        final_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+    )
+    tl.store(pointers, state, mask=mask)

@@ -1,0 +1,240 @@
+"""blockzoo's Triton kernels of the gated delta rule (`triton_delta_rule`) against the float64 per-token loop of
+`gated_delta_net_reference`: the output, the final states and the gradient of every input (q, k, v, g, β, the
+initial states), over packed documents of odd lengths, documents shorter than a chunk and one-token ones, several
+and grouped heads, with and without initial states, fp32 and bf16 inputs.
+
+The kernels run under Triton's interpreter on CPU tensors, in a subprocess of this file (the interpreter is chosen
+when the kernels are defined, from TRITON_INTERPRET). The interpreter is slow: the fast cases use heads of 16 to 32
+channels and a few chunks; a longer one is marked slow. Errors are relative: ‖value − reference‖ / ‖reference‖.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from gated_delta_net_reference import delta_rule_loop
+
+# (lengths, key_heads, value_heads, key_size, value_size, with initial states, dtype). Chunks of 64 tokens.
+FAST_CASES = [
+    ((5, 3), 1, 1, 16, 16, True, torch.float32),
+    ((0, 0, 7), 1, 2, 16, 16, True, torch.float32),  # empty documents first, as padded batches have
+    ((1, 66, 9), 2, 4, 16, 32, False, torch.float32),  # grouped heads; a document crossing a chunk's end
+    ((37, 1), 1, 2, 24, 16, True, torch.bfloat16),  # a key head size that is no power of two
+]
+SLOW_CASES = [((70, 1, 130, 64), 2, 4, 32, 16, True, torch.float32)]
+FP32_TOLERANCE = 1e-5
+# bf16 q, k, v and β (the reference sees the same rounded values); the output is rounded to bf16.
+BF16_TOLERANCE = 1e-2
+NAMES = ("q", "k", "v", "g", "beta", "initial")
+
+
+def relative_errors(lengths, key_heads, heads, key_size, value_size, with_initial, dtype, seed=0):
+    """{"output": error, "final": error, "q": error of dq, ...} of the kernels against the float64 loop."""
+    from blockzoo_gated_delta_net.triton_delta_rule import triton_gated_delta_rule
+
+    generator = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    inputs = [
+        torch.nn.functional.normalize(randn(tokens, key_heads, key_size), dim=-1) * key_size**-0.5,
+        torch.nn.functional.normalize(randn(tokens, key_heads, key_size), dim=-1),
+        randn(tokens, heads, value_size),
+        -torch.rand(tokens, heads, generator=generator) * 0.5,  # log decays
+        torch.rand(tokens, heads, generator=generator),
+        randn(len(lengths), heads, key_size, value_size),
+    ]
+    inputs = [x.to(dtype) if index in (0, 1, 2, 4) else x for index, x in enumerate(inputs)]
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
+    output, final = triton_gated_delta_rule(*leaves[:5], cu_seqlens, leaves[5] if with_initial else None)
+    output_weights = randn(*output.shape).double()
+    final_weights = randn(*final.shape).double()
+    ((output.double() * output_weights).sum() + (final.double() * final_weights).sum()).backward()
+
+    references = [x.double().requires_grad_() for x in inputs]
+    outputs, finals, start = [], [], 0
+    for document, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        initial = references[5][document] if with_initial else None
+        document_output, document_final = delta_rule_loop(*(x[rows] for x in references[:5]), initial)
+        outputs.append(document_output)
+        finals.append(document_final)
+        start += length
+    expected_output, expected_final = torch.cat(outputs), torch.stack(finals)
+    ((expected_output * output_weights).sum() + (expected_final * final_weights).sum()).backward()
+
+    def error(value, expected):
+        return float((value.detach().double() - expected.detach()).norm() / expected.detach().norm())
+
+    errors = {"output": error(output, expected_output), "final": error(final, expected_final)}
+    for name, leaf, reference in zip(NAMES, leaves, references, strict=True):
+        if name == "initial" and not with_initial:
+            continue
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        errors[name] = error(leaf.grad, reference.grad)
+    return errors
+
+
+def check_cases(cases) -> list[str]:
+    """One line per case and quantity beyond its tolerance (nothing when all pass)."""
+    failures = []
+    for case in cases:
+        tolerance = BF16_TOLERANCE if case[-1] == torch.bfloat16 else FP32_TOLERANCE
+        errors = relative_errors(*case)
+        print(f"{case}: max relative error {max(errors.values()):.2e}", flush=True)
+        failures += [f"{case}: {name} relative error {value:.2e} > {tolerance}" for name, value in errors.items()
+                     if not value <= tolerance]  # fmt: skip
+    return failures
+
+
+def patch_for_numpy() -> None:
+    """Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses (the fix of
+    triton-lang/triton#9171, applied until the pinned triton has it; blockzoo-ssm's kernel tests do the same)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_with_scalar_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(())))
+
+    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+
+
+def run_under_interpreter(which: str) -> None:
+    """Run this file's `which` cases ("fast" or "slow") under TRITON_INTERPRET=1 in a subprocess; fail with its
+    output if it fails."""
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")  # Triton's interpreter runs on numpy.
+    started = time.perf_counter()
+    result = subprocess.run(
+        # Overflows are errors: the kernels must compute nothing from memory they never wrote (even where masked).
+        [sys.executable, "-W", "error::RuntimeWarning", __file__, which],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(result.stdout, f"interpreter run: {time.perf_counter() - started:.1f} s")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_kernels_match_the_float64_loop():
+    run_under_interpreter("fast")
+
+
+@pytest.mark.slow
+def test_the_kernels_match_the_float64_loop_over_several_chunks():
+    run_under_interpreter("slow")
+
+
+def test_the_chunk_layout_cuts_every_document_into_chunks():
+    pytest.importorskip("triton")
+    from blockzoo_gated_delta_net.triton_delta_rule import chunk_layout
+
+    starts, ends, offsets = chunk_layout(torch.tensor([0, 0, 3, 131, 131, 195]), 64, tokens=195)
+    # 195 // 64 + 5 documents = 8 slots (a bound known from the shape alone); the 4 past the last chunk are empty.
+    assert starts.tolist() == [0, 3, 67, 131, 0, 0, 0, 0]
+    assert ends.tolist() == [3, 67, 131, 195, 0, 0, 0, 0]
+    assert offsets.tolist() == [0, 0, 1, 3, 3, 4]  # the empty documents have no chunk
+
+
+def test_head_sizes_the_kernels_cannot_take_are_refused():
+    pytest.importorskip("triton")
+    from blockzoo_gated_delta_net.triton_delta_rule import triton_gated_delta_rule
+
+    q = torch.zeros(4, 1, 8)
+    with pytest.raises(ValueError, match="head sizes 8 \\(key\\) and 16 \\(value\\)"):
+        triton_gated_delta_rule(q, q, torch.zeros(4, 1, 16), torch.zeros(4, 1), torch.zeros(4, 1), torch.tensor([0, 4]))
+
+
+@pytest.mark.slow
+def test_the_layer_and_its_slices_through_the_kernels():
+    run_under_interpreter("layer")
+
+
+def test_the_kernel_choice_on_the_cpu(monkeypatch):
+    from blockzoo_gated_delta_net.delta_rule import KERNEL_VARIABLE, choose_kernel
+
+    q, v = torch.zeros(4, 1, 16, requires_grad=True), torch.zeros(4, 2, 16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(KERNEL_VARIABLE, raising=False)
+    assert choose_kernel(q, v) == "torch"
+    for forced in ("fla", "triton"):  # neither runs on CPU tensors without the interpreter
+        monkeypatch.setenv(KERNEL_VARIABLE, forced)
+        with pytest.raises(ValueError, match=f"{KERNEL_VARIABLE}={forced}: that kernel cannot run here"):
+            choose_kernel(q, v)
+    monkeypatch.setenv(KERNEL_VARIABLE, "cuda")
+    with pytest.raises(ValueError, match="expected one of auto, fla, triton, torch"):
+        choose_kernel(q, v)
+
+
+# The layer through the kernels (forced, under the interpreter): heads of 16, chunks of 16, strong decays.
+LAYER_CONFIG = {
+    "key_heads": 1,
+    "value_heads": 2,
+    "key_head_size": 16,
+    "value_head_size": 16,
+    "chunk_size": 16,
+}
+LAYER_LENGTHS = (5, 1, 21, 5)  # a document over two chunks; 32 tokens in slices of 8 and 32
+
+
+def check_layer() -> list[str]:
+    """The layer forced onto the kernels: its outputs and every gradient against the same layer on the torch path,
+    and its slices (micro-sequences, carries passed on) against its whole forward and the float64 reference."""
+    from gated_delta_net_reference import STRONG_DECAY, build, reference_forward
+
+    from blockzoo.layers.base import Batch
+    from blockzoo_gated_delta_net.delta_rule import KERNEL_VARIABLE
+    from blockzoo_testing import check_recurrent_slices
+
+    layer = build({**LAYER_CONFIG, **STRONG_DECAY})
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(sum(LAYER_LENGTHS), layer.hidden_dim.global_size, generator=generator)
+    weights = torch.randn(hidden.shape, generator=generator)
+    runs = {}
+    for kernel in ("torch", "triton"):
+        os.environ[KERNEL_VARIABLE] = kernel
+        layer.zero_grad()
+        leaf = hidden.clone().requires_grad_()
+        output = layer(leaf, Batch(list(LAYER_LENGTHS)))
+        (output * weights).sum().backward()
+        runs[kernel] = {"output": output.detach(), "input": leaf.grad}
+        runs[kernel] |= {name: parameter.grad.clone() for name, parameter in layer.named_parameters()}
+    failures = []
+    for name, expected in runs["torch"].items():
+        error = float((runs["triton"][name] - expected).norm() / expected.norm())
+        print(f"layer through the kernels, {name}: relative error {error:.2e}", flush=True)
+        if not error <= 1e-5:
+            failures.append(f"the layer through the kernels: {name} relative error {error:.2e} > 1e-5")
+    os.environ[KERNEL_VARIABLE] = "triton"
+    try:
+        check_recurrent_slices(
+            layer,
+            tolerance={"atol": 2e-4, "rtol": 1e-4},
+            reference_forward=reference_forward,
+            reference_tolerance={"atol": 2e-5, "rtol": 1e-4},
+            lengths=LAYER_LENGTHS,
+            slice_lengths=(8, 32),
+        )
+    except Exception as error:  # noqa: BLE001 - reported with the other failures
+        failures.append(f"slices through the kernels: {error}")
+    return failures
+
+
+if __name__ == "__main__":
+    patch_for_numpy()
+    if sys.argv[1] == "layer":
+        failures = check_layer()
+    else:
+        failures = check_cases(FAST_CASES if sys.argv[1] == "fast" else SLOW_CASES)
+    if failures:
+        sys.exit("\n".join(failures))
