@@ -10,10 +10,10 @@ import torch
 
 from blockzoo import config as configs
 from blockzoo.api import Distributed
-from blockzoo.testing import build_layer, single_process
 from blockzoo_attention.config import DefaultRotaryConfig, NoRotaryConfig
 from blockzoo_mla.config import MLAConfig
 from blockzoo_mla.mla import MultiHeadLatentAttention
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2025
 HIDDEN = 16

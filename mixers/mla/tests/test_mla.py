@@ -8,9 +8,9 @@ from mla_reference import RANDOM_BIAS, RANDOM_NORM, SMALL, build, mla_config, re
 
 from blockzoo.api import Batch
 from blockzoo.config import ConfigError
-from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs
 from blockzoo_attention.kernels import TorchKernel
 from blockzoo_mla import mla as mla_module
+from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs
 
 LENGTHS = [5, 1, 7]
 CASES = {

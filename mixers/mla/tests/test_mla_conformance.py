@@ -1,9 +1,9 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the MLA mixer: discovery, config, shapes, meta-device
+"""blockzoo's conformance kit (`blockzoo_testing`) on the MLA mixer: discovery, config, shapes, meta-device
 construction, packed documents, every field, gradients, tensor and sequence-tensor parallel (with tensor-parallel
 decoding), decoding, checkpoints, FLOPs; and its deepseek_v3 converter section (config and weights both ways,
 everything claimed)."""
 
-from blockzoo.testing import ConverterSectionConformance, MixerConformance
+from blockzoo_testing import ConverterSectionConformance, MixerConformance
 
 
 class TestMLAConformance(MixerConformance):

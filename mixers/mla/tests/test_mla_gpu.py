@@ -1,6 +1,7 @@
 """The GPU kernels of the MLA mixer against its CPU path (the `torch` kernel in fp32): outputs and gradients over
 packed documents with value heads narrower and wider than the query/key heads (the flash kernels get padded heads),
-and latent-cache decoding (expanded and absorbed) in bf16. Run on a GPU machine (skipped without CUDA).
+latent-cache decoding (expanded and absorbed) in bf16, and micro-sequences against the same kernel's whole forward.
+Run on a GPU machine (skipped without CUDA).
 
 Tolerances as the attention plugin's GPU tests: relative errors fp32 1e-3 (TF32), bf16 2e-2 outputs, 3e-2 gradients.
 """
@@ -9,7 +10,7 @@ import pytest
 import torch
 from mla_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, single_process
+from blockzoo_testing import check_decoding, check_forward_slices, check_matches_layer, single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +73,13 @@ def test_latent_cache_decoding_equals_the_full_forward(absorbed):
     gpu = single_process(SEED, backend="nccl")
     layer = build({**CASES["low-rank-query-interleaved"], "absorbed_decoding": absorbed}, gpu, hidden=HIDDEN)
     check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.bfloat16], dtype=torch.bfloat16, **DECODING)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("implementation", ["varlen", "batched", "torch"])
+def test_kernels_over_slices_give_their_whole_forward(case, implementation):
+    """Micro-sequences of 64 tokens in bf16 (each attending to the carried latents, varlen's keys as segments of the
+    stretch) against the same kernel's whole forward."""
+    distributed = single_process(SEED, backend="nccl", compute_dtype="bf16")
+    layer = build({**CASES[case], "implementation": implementation}, distributed, hidden=HIDDEN)
+    check_forward_slices(layer, lengths=LENGTHS, slice_length=64, tolerance={"relative": 3e-2}, dtype=torch.bfloat16)

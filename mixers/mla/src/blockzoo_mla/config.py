@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from blockzoo.api import (
     GENERATION_CACHE,
+    SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
     ConfigFieldError,
@@ -47,9 +48,14 @@ class MLAConfig(MixerConfig):
     row-parallel); the down projections and their norms are replicated. Generation keeps a latent cache (the
     normalized latent and the rotated shared key part per token), and decodes one token per sequence in the absorbed
     form (`key_value_up`'s key rows folded into the query, its value rows into the output).
+
+    Sequence-data parallel and micro-sequences: the compressed tokens (latent ‖ rotary key part) are gathered over
+    the group and carried between micro-sequences; each rank expands them to its keys and values.
     """
 
-    capabilities: ClassVar[frozenset[str]] = frozenset({TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, GENERATION_CACHE})
+    capabilities: ClassVar[frozenset[str]] = frozenset(
+        {TENSOR_PARALLEL, SEQUENCE_TENSOR_PARALLEL, SEQUENCE_DATA_PARALLEL, GENERATION_CACHE}
+    )
 
     heads: int = field(16, doc="Attention heads.", validator=at_least(1))
     query_rank: int | None = field(

@@ -20,13 +20,25 @@ section 2.1.2): `key_value_up`'s key rows W_k fold into the query (q_n·W_k c = 
 into the output (Σ p W_v c = W_v Σ p c), so the attention runs over the cached latents themselves. The biases of
 `key_value_up`, if any, fold too: the key bias adds one constant to a query's logits (softmax ignores it), the value
 bias is added once (the probabilities sum to 1).
+
+Slices of sequences (`forward_slice`: sequence-data parallelism, micro-sequences) reuse attention's scheme (see
+`blockzoo_attention.attention`) on what MLA caches: each slice's compressed tokens, the normalized latent ‖ the rotated
+shared key part (rank + rotary numbers a token, against 2·heads·head size of keys and values), are all-gathered over
+the sequence-data group (`gather_slices`: its backward returns each rank's gradients to it) and carried to the next
+micro-sequence as the blocks they were gathered in. Each rank expands with `key_value_up` only the stretch its queries
+see (the continued document's tokens before the slice, then the slice) into its heads' keys and values, causal and
+document-masked by global positions. With a carry, that expansion and the attention are recomputed in the backward
+pass, so the memory kept is the latents', linear in the tokens.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from blockzoo.api import (
     Batch,
@@ -38,9 +50,13 @@ from blockzoo.api import (
     NormalizationConfig,
     TensorDim,
     copy_to_tensor_region,
+    gather_slices,
     gather_tokens,
     get_registry,
+    linear_options,
+    scaled_lr,
 )
+from blockzoo_attention.attention import _slice_keys, _stretch
 from blockzoo_attention.kernels import Segments, select_kernel
 from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
 from blockzoo_mla.config import MLAConfig
@@ -79,11 +95,23 @@ class LatentCache:
         return stored
 
 
+class LatentCarry(NamedTuple):
+    """What the slices after a step need of the tokens before them: their compressed tokens `[tokens, key_value_rank
+    + rotary_head_size]` (the normalized latent ‖ the rotated shared key part), as the blocks they were gathered in
+    (the same on every sequence-data and tensor-parallel rank)."""
+
+    blocks: tuple[torch.Tensor, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(block) for block in self.blocks)
+
+
 class MultiHeadLatentAttention(Mixer):
     def __init__(
         self, config: MLAConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         if config.heads % distributed.tensor_size:
             raise ValueError(
@@ -99,12 +127,7 @@ class MultiHeadLatentAttention(Mixer):
         value_dim = CompositeTensorDim("value", (heads, TensorDim("value_head", config.value_head_size)))
         latent_dim = TensorDim("latent", config.key_value_rank + config.rotary_head_size)
         self._latent_norm_dim = TensorDim("key_value_rank", config.key_value_rank)
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_dim.global_size**-0.5)
         # PEFT defaults (LoRA's usual targets, as attention's query and value): the query and the dense projections.
         if config.query_rank is None:
             self.query = Linear(f"{name}.query", config.query, hidden_dim, query_dim, default_peft=True, **linear)
@@ -167,14 +190,30 @@ class MultiHeadLatentAttention(Mixer):
             rotary = torch.cat([rotary[..., 0::2], rotary[..., 1::2]], dim=-1)
         return apply_rotary(rotary, tables)
 
-    def _keys_values(self, latent: torch.Tensor, rotary_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each head's key `[tokens, heads, nope + rotary]` and value `[tokens, heads, value]` from the latents."""
-        expanded = self.key_value_up(latent).unflatten(
-            -1, (self._local_heads, self.config.nope_head_size + self.config.value_head_size)
-        )
+    def _keys_values(
+        self, latent: torch.Tensor, rotary_key: torch.Tensor, replicated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's key `[tokens, heads, nope + rotary]` and value `[tokens, heads, value]` from the latents (this
+        rank's tokens under sequence-tensor parallelism, or every token, the same on every rank, if `replicated`)."""
+        expanded = self._expand_replicated(latent) if replicated else self.key_value_up(latent)
+        expanded = expanded.unflatten(-1, (self._local_heads, self.config.nope_head_size + self.config.value_head_size))
         key_nope, value = expanded.split([self.config.nope_head_size, self.config.value_head_size], dim=-1)
         key = torch.cat([key_nope, rotary_key[:, None, :].expand(-1, self._local_heads, -1)], dim=-1)
         return key, value
+
+    def _expand_replicated(self, latent: torch.Tensor) -> torch.Tensor:
+        """`key_value_up` of latents that every tensor-parallel rank holds alike. Under sequence-tensor parallelism
+        `key_value_up` gathers its input's tokens over the tensor group: each rank gives it its share of the rows
+        (padded to a multiple of the ranks), so the gather's backward sums every rank's gradient of a row into the
+        share of the rank that gave it, which the gather of the latents (`forward_slice`) returns to the token's
+        owner."""
+        if not self.distributed.sequence_tensor_parallel:
+            return self.key_value_up(latent)
+        ranks, rows = self.distributed.tensor_size, len(latent)
+        share = -(-rows // ranks)
+        padded = F.pad(latent, (0, 0, 0, share * ranks - rows))
+        rank = self.distributed.tensor_rank
+        return self.key_value_up(padded[rank * share : (rank + 1) * share])[:rows]
 
     # -- forward -----------------------------------------------------------------------------------------------------
 
@@ -208,6 +247,10 @@ class MultiHeadLatentAttention(Mixer):
             ("blockzoo_mla.kernel", kernel.name, state is not None),
             lambda: kernel.prepare(queries, keys, True, None),
         )
+        return self.dense(self._attend(kernel, prepared, query, key, value).flatten(1))
+
+    def _attend(self, kernel, prepared, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The kernel's attention `[tokens, heads, value]`, the heads padded to one size where the kernel needs it."""
         value_size, query_size = self.config.value_head_size, self.config.query_key_head_size
         if value_size != query_size and _one_head_size(kernel.name, prepared):
             # Zero value channels give zero output channels, cut off below; zero query/key channels add nothing.
@@ -216,7 +259,48 @@ class MultiHeadLatentAttention(Mixer):
             else:
                 query, key = (F.pad(tensor, (0, value_size - query_size)) for tensor in (query, key))
         output = kernel.attend(query, key, value, prepared, self.config.resolved_softmax_scale)
-        return self.dense(output[..., :value_size].flatten(1))
+        return output[..., :value_size]
+
+    def forward_slice(
+        self, hidden: torch.Tensor, batch: Batch, previous: LatentCarry | None
+    ) -> tuple[torch.Tensor, LatentCarry]:
+        """Attention over one slice of longer sequences (see the module and `blockzoo.api.Mixer.forward_slice`)."""
+        tables = rotary_tables(self._rotary, batch)
+        query_nope, query_rotary = self._queries(hidden, tables)
+        latent, rotary_key = self._latents(hidden, tables)
+        if self.distributed.sequence_tensor_parallel:  # every token's latent, as the rotary key part already is
+            latent = gather_tokens(latent, self.distributed.tensor_group)
+        # One tensor (a new one, not a view: the next slices read it), one gather.
+        compressed = gather_slices(torch.cat([latent, rotary_key], dim=-1), batch.sequence_data.group)
+        blocks = (compressed,) if previous is None else (*previous.blocks, compressed)
+        # The stream of tokens: the carried ones, then the group's slices in rank order; this slice's place in it.
+        start = (0 if previous is None else previous.tokens) + batch.sequence_data.rank * batch.num_tokens
+        seen = batch.continued
+        if seen > start:
+            raise ValueError(
+                f"multi-head latent attention {self.name!r}: the slice continues a document begun {seen} tokens "
+                f"before it, but only {start} come before it (the previous slice's carry is missing or cut short)"
+            )
+        query = torch.cat([query_nope, query_rotary], dim=-1)
+        kernel = select_kernel(self.config.implementation, query)
+        prepared = batch.preprocessed(
+            ("blockzoo_mla.slice_kernel", kernel.name, seen),
+            lambda: kernel.prepare(Segments.of(batch), _slice_keys(batch, seen), True, None),
+        )
+        stop = start + len(query)
+
+        def attend(query: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
+            # Only the stretch this slice's queries see is expanded to keys and values.
+            latent, rotary_key = _stretch(blocks, start - seen, stop).split(
+                [self.config.key_value_rank, self.config.rotary_head_size], dim=-1
+            )
+            return self._attend(kernel, prepared, query, *self._keys_values(latent, rotary_key, replicated=True))
+
+        if len(blocks) > 1 and torch.is_grad_enabled():  # keep the latent blocks, not the expanded stretch
+            output = checkpoint(attend, query, *blocks, use_reentrant=False)
+        else:
+            output = attend(query, *blocks)
+        return self.dense(output.flatten(1)), LatentCarry(blocks)
 
     def _absorbable(self) -> bool:
         # An unmerged adapter on key_value_up adds to its output: the weight alone is not the map to fold.
