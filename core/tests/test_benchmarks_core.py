@@ -1,5 +1,5 @@
 """The core's side of benchmarks, without any backend installed: the `benchmark` kind's config path and the error
-naming the plugin to install, the refusal of pipeline parallelism, the results file and table, when a training run's
+naming the plugin to install, the results file and table, when a training run's
 benchmark is due, and the logits of chosen rows only (what scoring continuations asks of the model)."""
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import torch
 
 import blockzoo
 from blockzoo.benchmarks.base import BenchmarkConfig, BenchmarkResult
-from blockzoo.benchmarks.run import HarnessRunner, check_layout, results_table, write_report
+from blockzoo.benchmarks.run import HarnessRunner, results_table, write_report
 from blockzoo.config import ConfigError, structure
-from blockzoo.distributed.config import DistributedConfig
-from blockzoo.errors import UsageError
 from blockzoo.layers.base import Batch
 from blockzoo.run_config import RunConfig
 
@@ -29,12 +27,6 @@ def test_a_harness_without_its_plugin_names_the_field_and_the_distribution(monke
     message = str(error.value)
     assert "training.evaluation.harness" in message
     assert "unknown benchmark type 'lm_eval'" in message and "blockzoo-lm-eval" in message
-
-
-def test_pipeline_parallelism_is_refused_with_the_way_out():
-    check_layout(DistributedConfig(tensor_parallel=2), "here")  # tensor parallel is fine
-    with pytest.raises(UsageError, match=r"here: benchmarks do not run under pipeline parallelism .* evaluate"):
-        check_layout(DistributedConfig(pipeline_parallel=2), "here")
 
 
 def test_the_results_file_is_written_whole_and_the_table_aligned(tmp_path):

@@ -35,7 +35,7 @@ from blockzoo.layers.dims import ConcatenatedTensorDim, TensorDim
 from blockzoo.layers.linear import Linear
 from blockzoo.model.config import ModelConfig
 from blockzoo.plugins import register_plugin, reset_registry
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 HIDDEN, INTERMEDIATE = 8, 12
 EMPTY_BLOCK = {"mixer": {"type": "none"}, "mlp": {"type": "none"}}

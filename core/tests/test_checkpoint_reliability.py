@@ -21,6 +21,10 @@ from test_training import BASE, configure, quiet, train, weights, write_config
 
 import blockzoo
 import blockzoo.checkpoint
+import blockzoo.checkpoint.checksums
+import blockzoo.checkpoint.gather
+import blockzoo.checkpoint.retention
+import blockzoo.checkpoint.space
 import blockzoo.safetensors_io
 from blockzoo import cli
 from blockzoo.checkpoint import CheckpointError, keep_last, latest_checkpoint, verify_checkpoint
@@ -53,7 +57,7 @@ def files_size(root: Path) -> int:
 def simulate_disk(monkeypatch, root: Path, capacity: int) -> None:
     """`shutil.disk_usage` as on a disk of `capacity` bytes holding only `root`'s files."""
     monkeypatch.setattr(
-        blockzoo.checkpoint.shutil,
+        blockzoo.checkpoint.space.shutil,
         "disk_usage",
         lambda _: Usage(capacity, files_size(root), capacity - files_size(root)),
     )
@@ -70,7 +74,7 @@ def test_a_nearly_full_disk_prunes_early_and_keeps_saving(tmp_path, monkeypatch)
     root = tmp_path / "run"
     root.mkdir()
     # Room for two checkpoints (and the margin the estimate adds): pruning after each save would need three.
-    simulate_disk(monkeypatch, root, 2 * size + blockzoo.checkpoint._SPACE_MARGIN + size // 2)
+    simulate_disk(monkeypatch, root, 2 * size + blockzoo.checkpoint.space._SPACE_MARGIN + size // 2)
     messages = []
     overrides = ["training.train_iters=5", "training.checkpoint_interval=1", "training.checkpoint_keep=2"]
     _, history = train(configure(root, *overrides), log=messages.append)
@@ -86,7 +90,7 @@ def test_too_little_space_is_a_clean_error_naming_the_directory_and_the_space(tm
     path = write_config(tmp_path)
     root = tmp_path / "run"
     root.mkdir()
-    simulate_disk(monkeypatch, root, 2 * size + blockzoo.checkpoint._SPACE_MARGIN + size // 2)
+    simulate_disk(monkeypatch, root, 2 * size + blockzoo.checkpoint.space._SPACE_MARGIN + size // 2)
     # checkpoint_keep=3 needs room for three: the third save fails, the first two stay.
     arguments = ["train", str(path), "training.train_iters=5", "training.checkpoint_interval=1"]
     assert cli.main([*arguments, "training.checkpoint_keep=3"]) == 2
@@ -130,7 +134,7 @@ def test_a_small_tmpfs_keeps_the_run_saving_then_fails_cleanly(tmp_path, tmpfs, 
     train(configure(tmp_path / "measure", "training.train_iters=1"))
     files = [path.stat().st_size for path in (tmp_path / "measure" / "step_1").iterdir()]
     size = sum(-(-file // 4096) * 4096 for file in files)
-    mount = tmpfs(-(-(2 * size + blockzoo.checkpoint._SPACE_MARGIN + size // 4) // 4096) * 4096)
+    mount = tmpfs(-(-(2 * size + blockzoo.checkpoint.space._SPACE_MARGIN + size // 4) // 4096) * 4096)
     overrides = ["training.train_iters=4", "training.checkpoint_interval=1"]
     _, history = train(configure(mount / "keep2", *overrides, "training.checkpoint_keep=2"))
     assert len(history) == 4 and run_dirs(mount / "keep2") == ["step_3", "step_4"]
@@ -139,7 +143,7 @@ def test_a_small_tmpfs_keeps_the_run_saving_then_fails_cleanly(tmp_path, tmpfs, 
         train(configure(mount / "keep3", *overrides, "training.checkpoint_keep=3"))
     assert run_dirs(mount / "keep3") == ["step_1", "step_2"]
     # Without the estimate (as if something else filled the disk meanwhile), the writer meets the real ENOSPC.
-    monkeypatch.setattr(blockzoo.checkpoint, "_SPACE_MARGIN", -(2**40))
+    monkeypatch.setattr(blockzoo.checkpoint.space, "_SPACE_MARGIN", -(2**40))
     (mount / "filler").write_bytes(b"\0" * (shutil.disk_usage(mount).free - size // 2))
     with pytest.raises(CheckpointError, match=r"step_3: the disk filled up while saving"):
         train(configure(mount / "keep3", *overrides, "training.checkpoint_keep=3"))
@@ -247,10 +251,10 @@ def test_interrupted_pruning_never_leaves_a_directory_that_looks_complete(tmp_pa
         (Path(path) / "model.safetensors").unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(blockzoo.checkpoint.shutil, "rmtree", interrupted)
+    monkeypatch.setattr(blockzoo.checkpoint.retention.shutil, "rmtree", interrupted)
     with pytest.raises(KeyboardInterrupt):
         keep_last(tmp_path, 1)
-    monkeypatch.setattr(blockzoo.checkpoint.shutil, "rmtree", remove)
+    monkeypatch.setattr(blockzoo.checkpoint.retention.shutil, "rmtree", remove)
     assert run_dirs(tmp_path) == [".step_1.deleting", "step_2", "step_3"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
     assert keep_last(tmp_path, 1) == [tmp_path / "step_2"]
@@ -363,7 +367,7 @@ def test_every_file_has_a_checksum_that_loading_verifies(copy):
 def test_the_chunked_checksum_is_the_sha256_of_the_chunk_digests(tmp_path, monkeypatch):
     import hashlib
 
-    monkeypatch.setattr(blockzoo.checkpoint, "_CHUNK", 1000)
+    monkeypatch.setattr(blockzoo.checkpoint.checksums, "_CHUNK", 1000)
     data = os.urandom(4321)
     (tmp_path / "file").write_bytes(data)
     digests = b"".join(hashlib.sha256(data[start : start + 1000]).digest() for start in range(0, 4321, 1000))
@@ -381,6 +385,19 @@ def test_the_chunked_checksum_of_a_mapped_file_is_that_of_its_bytes(tmp_path):
     (tmp_path / "empty").write_bytes(b"")
     empty = hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
     assert blockzoo.checkpoint.file_checksum(tmp_path / "empty") == empty
+
+
+def test_a_saved_checkpoint_records_the_checksums_of_its_bytes(tmp_path, monkeypatch):
+    # Small chunks, so that the tensors of the file span many; the reference: hashlib over the files read back.
+    import hashlib
+
+    monkeypatch.setattr(blockzoo.checkpoint.checksums, "_CHUNK", 4096)
+    train(configure(tmp_path, "training.train_iters=1"))
+    metadata = yaml.safe_load((tmp_path / "step_1" / "metadata.yaml").read_text())
+    for file in ("model.safetensors", "optimizer.safetensors", "config.yaml"):
+        data = (tmp_path / "step_1" / file).read_bytes()
+        digests = b"".join(hashlib.sha256(data[start : start + 4096]).digest() for start in range(0, len(data), 4096))
+        assert metadata["checksums"]["files"][file] == hashlib.sha256(digests).hexdigest(), file
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -404,7 +421,7 @@ def test_the_finiteness_check_agrees_with_isfinite(dtype):
     cases["inf and -inf"] = both
     for what, tensor in cases.items():
         tensor = tensor.to(dtype)
-        assert blockzoo.checkpoint._all_finite(tensor) == bool(torch.isfinite(tensor).all()), what
+        assert blockzoo.checkpoint.gather._all_finite(tensor) == bool(torch.isfinite(tensor).all()), what
 
 
 def test_a_checkpoint_without_checksums_still_loads_and_refuses_another_dtype(copy):
@@ -576,7 +593,7 @@ def _stop_on_one_rank(root: str) -> None:
 
 @pytest.mark.distributed
 def test_every_rank_stops_at_the_step_boundary_where_one_rank_heard_the_signal(tmp_path):
-    from blockzoo.testing.distributed import run_distributed
+    from blockzoo_testing.distributed import run_distributed
 
     run_distributed(2, _stop_on_one_rank, str(tmp_path))
     assert [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in (0, 1)] == [[1, 2], [1, 2]]

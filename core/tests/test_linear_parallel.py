@@ -30,7 +30,7 @@ from blockzoo.layers.config import (
 from blockzoo.layers.dims import ConcatenatedTensorDim, TensorDim
 from blockzoo.layers.linear import Linear
 from blockzoo.layers.parameter import create_parameter
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 # fp32; the parallel runs sum in a different order than the single process.
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}

@@ -50,8 +50,8 @@ from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import register_plugin, reset_registry
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import free_port, run_distributed
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import free_port, run_distributed
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The test plugin

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from blockzoo.distributed.sequence import gather_slices, gather_slices_detached, previous_slice, sum_over_slices
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 RANKS, ROWS, WIDTH = 3, 2, 5
 

@@ -54,7 +54,7 @@ def test_a_mixer_without_the_capability_refuses_slices():
     class Plain(Mixer):
         pass
 
-    from blockzoo.testing.layers import single_process
+    from blockzoo_testing.layers import single_process
 
     layer = Plain(object(), name="mixer", hidden_dim=None, distributed=single_process(), lr_scale=1.0)
     with pytest.raises(NotImplementedError, match="does not declare sequence_data_parallel"):

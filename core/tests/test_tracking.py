@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import types
 
 import pytest
@@ -15,11 +16,11 @@ from blockzoo.api import RunStatus, Tracker, TrackerConfig, configclass, field, 
 from blockzoo.checkpoint import latest_checkpoint
 from blockzoo.config import ConfigError
 from blockzoo.plugins import register_plugin
-from blockzoo.testing.tracking import logged_figures, tiny_run_config, train_killed_at, train_tiny
 from blockzoo.training import tracking
 from blockzoo.training.metrics import METRICS_FILE, read_metrics
 from blockzoo.training.tracking_config import JsonlTrackerConfig, active_trackers
 from blockzoo.training.trainer import Trainer, TrainingError
+from blockzoo_testing.tracking import logged_figures, tiny_run_config, train_killed_at, train_tiny
 
 
 @configclass
@@ -87,7 +88,7 @@ def probes(*specs: str) -> str:
 
 
 def calls(name: str, kind: str) -> list:
-    return [call for call in CALLS[name] if call[0] == kind]
+    return [call for call in CALLS.get(name, []) if call[0] == kind]  # none before its thread has started it
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -199,10 +200,16 @@ def test_a_tracker_that_cannot_be_built_is_a_failure_like_any_other(tmp_path, bl
 
 
 def release_at_the_end(messages: list[str]):
-    """A run's log that releases the blocked trackers once the run has saved its last checkpoint (step 8)."""
+    """A run's log that, at step 2, waits until the tracker sits in its first log call (its thread takes calls
+    within `tracking.BATCH_SECONDS`), and releases the blocked trackers once the run has saved its last checkpoint
+    (step 8)."""
 
     def log(message: str) -> None:
         messages.append(message)
+        if message.startswith("step 2/"):
+            deadline = time.monotonic() + 30
+            while not calls("slow", "log") and time.monotonic() < deadline:
+                time.sleep(0.01)
         if message.startswith("saved checkpoint") and message.endswith("step_8"):
             messages.append(f"while the loop ran, the tracker had: {len(calls('slow', 'log'))} logs")
             RELEASE.set()

@@ -32,10 +32,10 @@ from blockzoo.layers.dims import ConcatenatedTensorDim, TensorDim
 from blockzoo.layers.linear import Linear
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.config import AdamWConfig, ScheduleConfig
 from blockzoo.training.optimizer import AdamW, learning_rate
 from blockzoo.training.trainer import StepRecord, Trainer, TrainingError
+from blockzoo_testing.distributed import run_distributed
 
 VOCAB = 257  # the byte tokenizer of the embedded corpus
 BASE = {

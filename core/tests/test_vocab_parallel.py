@@ -43,8 +43,8 @@ from blockzoo.layers.linear import Linear
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import register_plugin, reset_registry
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.optimizer import AdamW
+from blockzoo_testing.distributed import run_distributed
 
 SEED = 2024
 # fp32 against float64 or against the single process: sums in another order over a few dozen terms.

@@ -16,9 +16,9 @@ from blockzoo.plugins import hookimpl
 __version__ = importlib.metadata.version("blockzoo")
 
 _API = {
-    "build": "blockzoo.model.factory",
-    "load": "blockzoo.model.factory",
-    "save": "blockzoo.model.factory",
+    "build": "blockzoo.python_api",
+    "load": "blockzoo.python_api",
+    "save": "blockzoo.python_api",
     "Trainer": "blockzoo.training.trainer",
     "RunConfig": "blockzoo.run_config",
     "ModelConfig": "blockzoo.model.config",

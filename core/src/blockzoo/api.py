@@ -32,6 +32,7 @@ from blockzoo.conversion import (
     Constant,
     ConversionError,
     Fixed,
+    FormatNames,
     Ignored,
     Nested,
     Origin,
@@ -67,6 +68,7 @@ from blockzoo.layers.config import (
     UniformInitializationConfig,
     check_fused_biases,
     default_activation,
+    scaled_lr,
 )
 from blockzoo.model.config import BlockConfig, BlockSequenceConfig
 from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
@@ -77,11 +79,11 @@ from blockzoo.training.tracking_config import TrackerConfig
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
     "ACTIVATIONS": "blockzoo.layers.activations",
-    "IGNORE_INDEX": "blockzoo.layers.base",
-    "Batch": "blockzoo.layers.base",
-    "SequenceData": "blockzoo.layers.base",
-    "slice_batch": "blockzoo.layers.base",
-    "slice_ranges": "blockzoo.layers.base",
+    "IGNORE_INDEX": "blockzoo.layers.batch",
+    "Batch": "blockzoo.layers.batch",
+    "SequenceData": "blockzoo.layers.batch",
+    "slice_batch": "blockzoo.layers.slices",
+    "slice_ranges": "blockzoo.layers.slices",
     "Layer": "blockzoo.layers.base",
     "Mixer": "blockzoo.layers.base",
     "MLP": "blockzoo.layers.base",
@@ -93,6 +95,7 @@ _LAZY = {
     "create_parameter": "blockzoo.layers.parameter",
     "materialize": "blockzoo.layers.parameter",
     "Linear": "blockzoo.layers.linear",
+    "linear_options": "blockzoo.layers.linear",
     "Distributed": "blockzoo.distributed.runtime",
     "copy_to_tensor_region": "blockzoo.distributed.ops",
     "reduce_from_tensor_region": "blockzoo.distributed.ops",
@@ -103,12 +106,13 @@ _LAZY = {
     "gather_slices_detached": "blockzoo.distributed.sequence",
     "previous_slice": "blockzoo.distributed.sequence",
     "sum_over_slices": "blockzoo.distributed.sequence",
-    "initial_state_over_ranks": "blockzoo.ssm.state_passing",
-    "depend_on": "blockzoo.ssm.state_passing",
+    "initial_state_over_ranks": "blockzoo.distributed.recurrence",
+    "depend_on": "blockzoo.distributed.recurrence",
 }
 
 __all__ = [
     "Activation",
+    "scaled_lr",
     "default_activation",
     "ALL_CAPABILITIES",
     "GENERATION_CACHE",
@@ -167,6 +171,7 @@ __all__ = [
     "Weight",
     "WeightMapping",
     "transformers_activation",
+    "FormatNames",
     # Benchmark backends (blockzoo.benchmarks.base) and the tokenizers they are given (blockzoo.data.tokenizer)
     "Benchmark",
     "BenchmarkConfig",

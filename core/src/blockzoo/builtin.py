@@ -5,9 +5,7 @@ from __future__ import annotations
 from blockzoo import data
 from blockzoo.layers import config as layers
 from blockzoo.model import config as model
-from blockzoo.peft import config as peft
 from blockzoo.plugins import PluginInfo, hookimpl
-from blockzoo.ssm import config as ssm
 from blockzoo.training import config as training
 from blockzoo.training import tracking_config as tracking
 
@@ -36,17 +34,20 @@ def register_blocks(register) -> None:
 
 
 @hookimpl
+def register_converters(register) -> None:
+    from blockzoo.model.native import NATIVE  # (torch-free until a checkpoint is read)
+
+    register("blockzoo", NATIVE)  # blockzoo's own checkpoints: a format like every other
+
+
+@hookimpl
 def register_components(register) -> None:
     register("normal", layers.NormalInitializationConfig, "blockzoo.layers.initialization:initialize_normal")
     register("uniform", layers.UniformInitializationConfig, "blockzoo.layers.initialization:initialize_uniform")
     register("fill", layers.FillInitializationConfig, "blockzoo.layers.initialization:initialize_fill")
-    register("dt_bias", ssm.DtBiasInitializationConfig, "blockzoo.ssm.initialization:initialize_dt_bias")
-    register("a_log_range", ssm.ALogRangeInitializationConfig, "blockzoo.ssm.initialization:initialize_a_log_range")
-    register("a_log_state", ssm.ALogStateInitializationConfig, "blockzoo.ssm.initialization:initialize_a_log_state")
     register("none", layers.NoNormalizationConfig, "blockzoo.layers.normalization:Identity")
     register("rms_norm", layers.RMSNormalizationConfig, "blockzoo.layers.normalization:RMSNorm")
     register("layer_norm", layers.LayerNormalizationConfig, "blockzoo.layers.normalization:LayerNorm")
-    register("lora", peft.LoraConfig, "blockzoo.peft.lora:LoraAdapter")
     register("adamw", training.AdamWConfig, "blockzoo.training.optimizer:AdamW")
     register("jsonl", tracking.JsonlTrackerConfig, "blockzoo.training.metrics:JsonlTracker")
     data.register(register)

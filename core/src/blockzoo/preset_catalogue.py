@@ -29,6 +29,7 @@ def rows() -> list[dict[str, Any]]:
                 "source": preset.source,
                 "requires": list(preset.requires),
                 "notes": preset.notes,
+                "checked_against": list(preset.checked_against),
             }
         )
     return found
@@ -97,6 +98,17 @@ def markdown(found: list[dict[str, Any]]) -> str:
     for row in found:
         requires = ", ".join(row["requires"])
         lines.append(f"- `{row['name']}` (needs {requires}): {row['notes'] or '-'}")
+    lines += [
+        "",
+        "## Checked against",
+        "",
+        "The stored copies of the published values each published preset was compared with, field by field (the "
+        "source above is the page the values come from; these are where they were read again).",
+        "",
+    ]
+    for row in found:
+        if row["checked_against"]:
+            lines.append(f"- `{row['name']}`: " + "; ".join(row["checked_against"]))
     return "\n".join(lines) + "\n"
 
 

@@ -22,9 +22,12 @@ import attrs
 from blockzoo.errors import UsageError
 
 
-def _check_requires(_: Any, __: Any, value: Any) -> None:
-    if not (isinstance(value, tuple) and all(isinstance(name, str) for name in value)):
-        raise ValueError(f"Preset(requires={value!r}): give a tuple of distribution names")
+def _check_names(field_name: str, what: str) -> Callable[[Any, Any, Any], None]:
+    def check(_: Any, __: Any, value: Any) -> None:
+        if not (isinstance(value, tuple) and all(isinstance(name, str) for name in value)):
+            raise ValueError(f"Preset({field_name}={value!r}): give a tuple of {what}")
+
+    return check
 
 
 @attrs.frozen(kw_only=True)
@@ -37,18 +40,21 @@ class Preset:
     a token uses (MoE). `published_parameters`: the figure the model's authors give ("1.23B"), None for an
     architecture of ours. `source`: where the values were transcribed from. `format`: the checkpoint format it
     corresponds to. `requires`: the distributions it needs. `notes`: what was chosen where the source says nothing.
+    `checked_against`: the stored copies of the published values the preset was compared with, each naming where it
+    is (a URL, or repository and path) and which fields it confirms.
     """
 
     family: str
     parameters: int
     source: str
-    requires: tuple[str, ...] = attrs.field(validator=_check_requires)
+    requires: tuple[str, ...] = attrs.field(validator=_check_names("requires", "distribution names"))
     format: str | None = None
     huggingface_config: Mapping[str, Any] | None = None
     config: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
     active_parameters: int | None = None
     published_parameters: str | None = None
     notes: str = ""
+    checked_against: tuple[str, ...] = attrs.field(default=(), validator=_check_names("checked_against", "sources"))
 
     def __attrs_post_init__(self) -> None:
         if (self.huggingface_config is None) == (self.config is None):
@@ -62,7 +68,7 @@ class Preset:
     ) -> Preset:
         """A published model: the architecture keys of the config.json of its Hugging Face `repository` (the
         source), read through the format its `model_type` names; `fields`: `requires`, `active_parameters`,
-        `notes`."""
+        `notes`, `checked_against`."""
         source = f"https://huggingface.co/{repository}/blob/main/config.json"
         return cls(family=family, format=config["model_type"], huggingface_config=config, parameters=parameters,
                    published_parameters=published, source=source, **fields)  # fmt: skip

@@ -1,8 +1,9 @@
 """Running a benchmark backend on a model: during training (`HarnessRunner`, `training.evaluation.harness`) and from
 a checkpoint (`blockzoo evaluate`). The model runs in evaluation mode without gradients, on every rank of the
 layout: tensor-parallel ranks run the same requests, data-parallel ranks share them (the backend's business),
-ZeRO / FSDP weights are gathered once for the whole evaluation (`gathered_for_inference`). Pipeline parallelism is
-refused: a benchmark's forward passes do not go through the stages yet."""
+ZeRO / FSDP weights are gathered once for the whole evaluation (`gathered_for_inference`). Under pipeline parallelism
+the backend gets a `PipelinedModel`, whose forward passes run through the stages (every pipeline rank the same
+requests, the last stage's logits broadcast to them)."""
 
 from __future__ import annotations
 
@@ -17,23 +18,12 @@ import torch
 import torch.distributed as dist
 
 from blockzoo.benchmarks.base import Benchmark, BenchmarkConfig, BenchmarkResult
-from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.data_parallel import gathered_for_inference
+from blockzoo.distributed.pipeline_inference import PipelinedModel, gathered_stages
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.errors import UsageError
 from blockzoo.plugins import get_registry
 
 EVALUATION_DIRECTORY = "evaluation"
-
-
-def check_layout(config: DistributedConfig, where: str) -> None:
-    """Refuse a layout benchmarks cannot run under (pipeline parallelism), naming `where` it was asked for."""
-    if config.pipeline_parallel > 1:
-        raise UsageError(
-            f"{where}: benchmarks do not run under pipeline parallelism (distributed.pipeline_parallel is "
-            f"{config.pipeline_parallel}); evaluate a checkpoint of the run with `blockzoo evaluate` "
-            "(tensor or data parallel), or run without pipeline parallelism"
-        )
 
 
 def build_benchmark(config: BenchmarkConfig) -> Benchmark:
@@ -49,9 +39,14 @@ def evaluate_model(
     as rank 0 has it, on every rank."""
     training = model.training
     model.eval()
+    pipeline = getattr(model, "pipeline", None)  # a pipelined model runs through its stages
     try:
-        with gathered_for_inference(model, distributed):
-            result = benchmark.evaluate(model, tokenizer, distributed, stop_tokens=stop_tokens)
+        if pipeline is None:
+            with gathered_for_inference(model, distributed):
+                result = benchmark.evaluate(model, tokenizer, distributed, stop_tokens=stop_tokens)
+        else:
+            with gathered_stages(pipeline):
+                result = benchmark.evaluate(PipelinedModel(pipeline), tokenizer, distributed, stop_tokens=stop_tokens)
     finally:
         model.train(training)
     if distributed.world_size > 1:  # one result for every rank, rank 0's
@@ -85,12 +80,11 @@ def _number(value: float) -> str:
 
 class HarnessRunner:
     """The benchmark of a training run (`training.evaluation.harness`): built when the trainer starts, so that an
-    unknown task, a missing plugin or library, or a layout it cannot run stops the run before its first step."""
+    unknown task, a missing plugin or library stops the run before its first step."""
 
     def __init__(
         self, config: BenchmarkConfig, tokenizer: Any, distributed: Distributed, *, stop_tokens: Sequence[int] = ()
     ):
-        check_layout(distributed.config, "training.evaluation.harness")
         self.config = config
         self.tokenizer = tokenizer
         self.stop_tokens = list(stop_tokens)

@@ -44,6 +44,10 @@ def parallelize(model: nn.Module, run_config: RunConfig, stages: Sequence[nn.Mod
     FSDP replaces the parameters. Under pipeline parallelism, `stages` are this rank's pipeline stages
     (`blockzoo.distributed.pipeline.StageModule`): each is an FSDP root, its blocks its units."""
     training = run_config.training
+    if training.fp8 is not None:  # first: compilation traces the FP8 products, FSDP wraps the FP8-gathered weights
+        from blockzoo.distributed.fp8 import prepare_fp8
+
+        prepare_fp8(model, run_config)
     for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
         policy = training.recompute_blocks.get(name, training.recompute)
         if training.compile == "blocks":

@@ -13,7 +13,8 @@ mixers exchanging over the sequence-data group; micro-sequences are refused). On
 hidden states `[tokens, hidden]` (this rank's token slice under sequence-tensor-parallel), and, to every stage, the
 micro-batch's index (a keyword argument), by which a stage finds the micro-batch's `Batch` (document lengths,
 positions: every pipeline rank reads the same micro-batches) and labels. Micro-batch shapes are static: every
-micro-batch has micro_batch_size × sequence_length tokens (over sequence_data_parallel, per slice).
+micro-batch has micro_batch_size × sequence_length tokens (over sequence_data_parallel, per slice). Building a
+pipeline rank's part of the model is `pipeline_model.py`.
 
 The loss is computed on the last stage: the cross-entropy summed over labelled tokens over the step's divisor (the
 labelled tokens of the step on all data ranks), plus the named losses of its layers (MoE router losses) over theirs
@@ -46,76 +47,13 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from blockzoo.distributed.pipeline_model import TIED_COPY, TiedCopy, local_stages
+from blockzoo.distributed.pipeline_model import build_pipeline_model as build_pipeline_model  # (importable here too)
 from blockzoo.distributed.runtime import Distributed, local_tensor
 from blockzoo.layers.base import Batch, slice_losses
-from blockzoo.layers.parameter import initialize_parameter, materialize, on_meta_device
-from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel, own_tokens
-from blockzoo.peft.apply import is_adapter_parameter
-
-# The name of the tied output weight's copy on the last stage (it is the first stage's embedding table).
-TIED_COPY = "embeddings.word_embeddings"
-
 
 # -- the stages --------------------------------------------------------------------------------------------------------
-
-
-def local_stages(distributed: Distributed) -> list[int]:
-    """The stages this pipeline rank runs: s with s % pipeline_parallel == its rank (looped placement)."""
-    config = distributed.config
-    rank = distributed.pipeline_rank
-    return [stage for stage in range(config.pipeline_stages) if stage % config.pipeline_parallel == rank]
-
-
-class RemotePart(nn.Module):
-    """Stands in for a part of the model that another pipeline stage holds: no parameters, but the part's FLOPs."""
-
-    def __init__(self, name: str, stage: int, part: nn.Module | None = None):
-        super().__init__()
-        self.part_name, self.stage = name, stage
-        self._part = (part,)  # in a tuple: not a submodule, so its (meta) parameters are not this model's
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{self.part_name} is held by pipeline stage {self.stage}, not by this process: a pipelined model runs "
-            "through blockzoo.distributed.pipeline.Pipeline"
-        )
-
-    def flops(self, batch: Batch) -> tuple[int, int]:
-        return self._part[0].flops(batch)
-
-
-class _TiedCopy(nn.Module):
-    """The last stage's copy of a tied embedding table, under the embedding's name (`TIED_COPY`)."""
-
-    def __init__(self, word_embeddings: nn.Parameter):
-        super().__init__()
-        self.word_embeddings = word_embeddings
-
-
-def build_pipeline_model(config: ModelConfig, distributed: Distributed) -> LanguageModel:
-    """The model with only this pipeline rank's stages allocated (and initialized, unless `uninitialized()`)."""
-    with on_meta_device():
-        model = LanguageModel(config, distributed)
-    stage_blocks = distributed.config.stage_blocks(len(model.decoder))
-    stages = local_stages(distributed)
-    last = len(stage_blocks) - 1
-    for stage, blocks in enumerate(stage_blocks):
-        if stage not in stages:
-            for index in blocks:
-                model.decoder[index] = RemotePart(f"decoder.{index}", stage, model.decoder[index])
-    if 0 not in stages:
-        tied = config.tied_embedding_weight and last in stages
-        model.embeddings = _TiedCopy(model.embeddings.word_embeddings) if tied else RemotePart("embeddings", 0)
-    if last not in stages:
-        model.head = RemotePart("head", last)
-    materialize(model, distributed)
-    # PEFT adapters are initialized even inside `uninitialized()` (a base checkpoint does not hold them), which
-    # `apply_peft` could not do on the meta device: here (seeded by name, the values of the single process).
-    for name, parameter in model.named_parameters():
-        if is_adapter_parameter(name) and not parameter.is_meta:
-            initialize_parameter(parameter, distributed)
-    return model
 
 
 class StageModule(nn.Module):
@@ -134,7 +72,7 @@ class StageModule(nn.Module):
         self.head = model.head if stage == num_stages - 1 else None
         # The last stage's copy of a tied table is in its module tree too, so that a wrapper replacing the head's
         # weight (FSDP) replaces it under the embedding's name as well.
-        tied_copy = self.head is not None and isinstance(model.embeddings, _TiedCopy)
+        tied_copy = self.head is not None and isinstance(model.embeddings, TiedCopy)
         self.tied_copy = model.embeddings if tied_copy else None
         self._step = step
 
@@ -156,6 +94,9 @@ class StageModule(nn.Module):
         step.record_named_losses(losses)
         if self.head is None:
             return attach_losses(hidden, list(losses.values()), step.named_loss_divisor)
+        if step.rows is not None:  # inference (`Pipeline.logits`): the logits of the rows asked for, kept aside
+            step.logits = self.head(hidden, step.rows)
+            return torch.zeros(1, device=hidden.device)
         cross_entropy = self.head.loss(hidden, labels)
         step.record_cross_entropy(cross_entropy)
         # As the trainer computes it without a pipeline, operation for operation.
@@ -211,6 +152,9 @@ class _StepState:
     named_loss_divisor: Any = 1.0
     cross_entropy: list[torch.Tensor] = attrs.field(factory=list)
     named_losses: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    # Inference (`Pipeline.logits`): the rows whose logits the last stage computes, and those logits.
+    rows: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
     def record_cross_entropy(self, value: torch.Tensor) -> None:
         self.cross_entropy.append(value.detach().float())
@@ -260,6 +204,7 @@ class Pipeline:
         self.copies = {TIED_COPY} if self.tied_group is not None and not self.holds_first else set()
         self._schedules: dict[tuple[bool, int], Any] = {}
         self._named_losses: list[str] | None = None  # the names of every stage's named losses, in one order
+        model.pipeline = self  # how inference code (benchmarks: `PipelinedModel`) finds the stages of a model
 
     def _tied_group(self) -> dist.ProcessGroup | None:
         """The group of the ranks holding the first and the last stage at this rank's data/tensor coordinate."""
@@ -288,8 +233,34 @@ class Pipeline:
         parallel), on every pipeline rank."""
         return self._run(micro_batches, training=False, divisors=(1.0, 1.0)).cross_entropy
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """What `LanguageModel.forward_packed(tokens, batch, rows=rows)` returns, on every pipeline rank: the
+        packed `tokens` run forward through the stages as one micro-batch, the last stage's logits broadcast over
+        the pipeline ranks. Inference batches differ in size, so each call runs a schedule of its own."""
+        rows = torch.arange(len(tokens), device=tokens.device) if rows is None else rows
+        step = self._step
+        step.rows = rows
+        try:
+            self._run([PipelineMicroBatch(tokens, tokens, batch)], training=False, divisors=(1.0, 1.0), cached=False)
+            logits = step.logits
+        finally:
+            step.rows, step.logits = None, None
+        if logits is None:  # the last stage is another rank's
+            vocab_size = self.model.config.embeddings.vocab_size
+            dtype = self.distributed.compute_dtype
+            logits = torch.empty((len(rows), vocab_size), dtype=dtype, device=self.distributed.device)
+        last = (self.num_stages - 1) % self.distributed.config.pipeline_parallel
+        dist.broadcast(logits, group=self.group, group_src=last)
+        return logits
+
     def _run(
-        self, micro_batches: Sequence[PipelineMicroBatch], *, training: bool, divisors: tuple[Any, Any]
+        self,
+        micro_batches: Sequence[PipelineMicroBatch],
+        *,
+        training: bool,
+        divisors: tuple[Any, Any],
+        cached: bool = True,
     ) -> StepLosses:
         count = len(micro_batches)
         sizes = {len(micro.tokens) for micro in micro_batches}
@@ -298,7 +269,7 @@ class Pipeline:
         step = self._step
         step.micro_batches, (step.cross_entropy_divisor, step.named_loss_divisor) = micro_batches, divisors
         step.cross_entropy, step.named_losses = [], {}
-        schedule = self._schedule(training, count, sizes.pop())
+        schedule = self._schedule(training, count, sizes.pop(), cached=cached)
         args = (torch.cat([micro.tokens for micro in micro_batches]),) if self.holds_first else ()
         # The target is a placeholder the schedules need on the last stage, which computed its loss itself.
         target = torch.zeros(count, device=self.distributed.device) if self.holds_last else None
@@ -312,11 +283,11 @@ class Pipeline:
         finally:
             step.micro_batches, step.cross_entropy, step.named_losses = (), [], {}
 
-    def _schedule(self, training: bool, count: int, tokens: int) -> Any:
-        """The schedule of `count` micro-batches of `tokens` tokens (made on first use; evaluation has its own
-        stages, since a stage keeps the buffers of the first schedule that ran it)."""
+    def _schedule(self, training: bool, count: int, tokens: int, *, cached: bool = True) -> Any:
+        """The schedule of `count` micro-batches of `tokens` tokens (made on first use and kept, unless not
+        `cached`; evaluation has its own stages, since a stage keeps the buffers of the first schedule that ran it)."""
         key = (training, count)
-        if key in self._schedules:
+        if cached and key in self._schedules:
             return self._schedules[key]
         if training:
             self.distributed.config.check_pipeline(len(self.model.decoder), count)
@@ -326,7 +297,8 @@ class Pipeline:
             schedule = (Schedule1F1B if training else ScheduleGPipe)(stages[0], count, **options)
         else:
             schedule = (ScheduleInterleaved1F1B if training else ScheduleLoopedBFS)(stages, count, **options)
-        self._schedules[key] = schedule
+        if cached:
+            self._schedules[key] = schedule
         return schedule
 
     def _pipeline_stage(self, module: StageModule, tokens: int) -> PipelineStage:

@@ -19,61 +19,24 @@ Every rank of the group must call the op with tensors of the same shape and dtyp
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from blockzoo.distributed.ops import _all_gather_single, _reduce_scatter_single
+from blockzoo.distributed.ops import gather_tokens, reduce_from_tensor_region
 
 
 def _size(group: ProcessGroup | None) -> int:
     return 1 if group is None else group.size()
 
 
-def _gather(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    gathered = tensor.new_empty((tensor.shape[0] * group.size(), *tensor.shape[1:]))
-    _all_gather_single(gathered, tensor.contiguous(), group=group)
-    return gathered
-
-
-class _GatherSlices(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        group = ctx.group
-        own = grad.new_empty((grad.shape[0] // group.size(), *grad.shape[1:]))
-        _reduce_scatter_single(own, grad.contiguous(), group=group)
-        return own, None
-
-
-class _SumOverSlices(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        reduced = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(reduced, group=group)
-        return reduced
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def gather_slices(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """`[size · n, ...]`: every rank's `tensor` `[n, ...]` in rank order; the backward returns to each rank the sum
     of all ranks' gradients of its rows."""
-    if _size(group) == 1:
-        return tensor
-    return _GatherSlices.apply(tensor, group)
+    return gather_tokens(tensor, group)  # the same exchange as sequence-tensor parallelism's, over another group
 
 
 def gather_slices_detached(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """`[size · n, ...]`: every rank's `tensor` `[n, ...]` in rank order, without gradient."""
-    if _size(group) == 1:
-        return tensor.detach()
-    return _gather(tensor.detach(), group)
+    return gather_tokens(tensor.detach(), group)
 
 
 def previous_slice(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -93,6 +56,4 @@ def previous_slice(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
 
 def sum_over_slices(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The sum of `tensor` over the ranks of the group; the gradient passes through unchanged (see the module)."""
-    if _size(group) == 1:
-        return tensor
-    return _SumOverSlices.apply(tensor, group)
+    return reduce_from_tensor_region(tensor, group)  # (tensor parallelism's row-parallel output: the same op)

@@ -76,6 +76,11 @@ class ResolvedParameter:
         return self.lr_scale == 0
 
 
+def scaled_lr(parent: float, own: float | None) -> float:
+    """A part's learning-rate scale: its parent's times its own `lr_scale` (None: the parent's; 0 freezes)."""
+    return parent * (1.0 if own is None else own)
+
+
 @configclass
 class ParameterConfig(Config):
     """How one parameter is initialized and trained; each None takes the parent layer's default (`resolve`)."""
@@ -91,7 +96,7 @@ class ParameterConfig(Config):
     ) -> ResolvedParameter:
         return ResolvedParameter(
             initialization=self.initialization if self.initialization is not None else initialization,
-            lr_scale=lr_scale * (1.0 if self.lr_scale is None else self.lr_scale),
+            lr_scale=scaled_lr(lr_scale, self.lr_scale),
             weight_decay=weight_decay if self.weight_decay is None else self.weight_decay,
         )
 
@@ -113,9 +118,12 @@ class LinearConfig(Config):
         None, doc="Multiplies the parent's learning-rate scale; 0 freezes.", validator=at_least(0)
     )
     apply_peft: bool | None = field(None, doc="Wrap this linear with the model's PEFT method. None: parent default.")
+    fp8: bool = field(
+        True, doc="With `training.fp8`, compute this linear's products in FP8; false keeps the compute dtype."
+    )
 
     def scaled(self, lr_scale: float) -> float:
-        return lr_scale * (1.0 if self.lr_scale is None else self.lr_scale)
+        return scaled_lr(lr_scale, self.lr_scale)
 
     def resolve_weight(self, *, initialization: InitializationConfig, lr_scale: float = 1.0) -> ResolvedParameter:
         return self.weight.resolve(initialization=initialization, lr_scale=self.scaled(lr_scale))

@@ -30,10 +30,9 @@ from torch.distributed import ProcessGroup
 from blockzoo.distributed.ops import all_gather_tensors, copy_to_tensor_region, gather_tokens
 from blockzoo.layers.base import IGNORE_INDEX
 
-# A chunk's logits hold at most this many elements, per device type. On the CPU, beyond a few million elements
-# the time per token no longer drops while the fp32 temporaries keep growing. On an H200 (16384 tokens, 2048 →
-# 128256, forward + backward) 2^29 (chunks of 4096 tokens) took 47.3 ms against 51.5 ms for 2^27 and 61.5 ms for
-# 2^26, for 4.4 GiB of temporaries instead of 1.5 (liger-kernel's fused loss: 48.1 ms).
+# A chunk's logits hold at most this many elements, per device type: past it the time per token no longer drops
+# while the fp32 temporaries keep growing (a few million elements on a CPU; 2^29, 4.4 GiB of temporaries, on a
+# large GPU, where bigger chunks keep the matrix products efficient).
 CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**29}
 DEFAULT_CHUNK_ELEMENTS = 2**24
 

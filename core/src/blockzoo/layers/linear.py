@@ -23,8 +23,8 @@ entered the tensor region, or before the row-parallel reduction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from blockzoo.distributed.ops import (
     reduce_from_tensor_region,
     reduce_scatter_tokens,
 )
-from blockzoo.layers.config import InitializationConfig, LinearConfig
+from blockzoo.layers.config import InitializationConfig, LinearConfig, NormalInitializationConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.layers.parameter import create_parameter
 
@@ -96,6 +96,10 @@ class Linear(nn.Module):
         self.peft_components = tuple(c.use_peft(default) for c, default in zip(configs, defaults))
         # Set by `blockzoo.peft.apply_peft`: a module whose output is added to this rank's local output.
         self.adapter: nn.Module | None = None
+        # `training.fp8`: whether the configs allow FP8 (`fp8`), and, set by `blockzoo.distributed.fp8`, `F.linear`'s
+        # replacement computing the products in FP8.
+        self.fp8 = all(c.fp8 for c in configs)
+        self.float8: Callable | None = None
 
         weight_settings = [c.resolve_weight(initialization=default_initialization, lr_scale=lr_scale) for c in configs]
         self.weight = create_parameter(
@@ -126,32 +130,34 @@ class Linear(nn.Module):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # Master weights stay fp32; compute in the activations' dtype.
-        weight = self.weight.to(input.dtype)
+        # Master weights stay fp32; compute in the activations' dtype (FP8 casts the weight itself, from its dtype).
+        product = F.linear if self.float8 is None else self.float8
+        weight = self.weight.to(input.dtype) if self.float8 is None else self.weight
         bias = None if self.bias is None else self.bias.to(input.dtype)
         adapter = self._active_adapter
         if self.row_parallel:
             reduce = reduce_scatter_tokens if self._sequence_tensor_parallel else reduce_from_tensor_region
-            partial = F.linear(input, weight)
+            partial = product(input, weight)
             if adapter is not None:  # a partial sum too: the reduction adds the ranks' updates
                 partial = partial + adapter(input)
             output = reduce(partial, self._tensor_group)
             return output if bias is None else output + bias
         input = self._enter(input)
-        output = F.linear(input, weight, bias)
+        output = product(input, weight, bias)
         return output if adapter is None else output + adapter(input)
 
     def forward_split(self, input: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
         """`forward(input).split(size, dim=-1)` (of this rank's output), each part its own product with its rows of
         the weight; not for a row-parallel linear.
 
-        The values are the same; the backward pass under torch.compile is not. Of one product split afterwards, the
-        gradient is the concatenation of the parts' gradients, which inductor writes with one kernel in which every
-        element loads its own inputs under a mask, so the inputs the parts share are read twice (Llama-1B's SwiGLU
-        backward on an H200: 1.18 ms a layer); of separate products, both parts' gradients come from one plain pass
-        (0.62 ms)."""
+        The values are the same; the backward pass under torch.compile is cheaper. Of one product split afterwards,
+        the gradient is the concatenation of the parts' gradients, which inductor writes with one masked kernel that
+        reads the inputs the parts share once per part; of separate products, both parts' gradients come from one
+        plain pass."""
         if self.row_parallel:
             raise NotImplementedError(f"linear {self.name!r}: forward_split of a row-parallel linear")
+        if self.float8 is not None:  # one FP8 product: its weight's scale is the whole weight's
+            return self.forward(input).split(size, dim=-1)
         weights = self.weight.to(input.dtype).split(size)
         biases = [None] * len(weights) if self.bias is None else self.bias.to(input.dtype).split(size)
         input = self._enter(input)
@@ -198,3 +204,15 @@ class Linear(nn.Module):
             else "replicated"
         )
         return f"{self.name}: {self.input_dim} -> {self.output_dim}, {layout}, bias={self.bias is not None}"
+
+
+def linear_options(config: Any, distributed: Distributed, lr_scale: float, *, std: float) -> dict[str, Any]:
+    """The keyword arguments a layer's linears share: `distributed`, a normal initialization of standard deviation
+    `std` (often the input width to the power -1/2), biases as the layer config's `add_linear_biases` says, and the
+    layer's learning-rate scale: `Linear(name, config.query, input_dim, output_dim, **linear_options(...))`."""
+    return {
+        "distributed": distributed,
+        "default_initialization": NormalInitializationConfig(std=std),
+        "default_bias": config.add_linear_biases,
+        "lr_scale": lr_scale,
+    }

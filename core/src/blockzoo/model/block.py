@@ -16,7 +16,7 @@ from blockzoo.config import ConfigFieldError
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layer_errors import LayerOutputError
 from blockzoo.layers.base import Batch
-from blockzoo.layers.config import TENSOR_PARALLEL
+from blockzoo.layers.config import TENSOR_PARALLEL, scaled_lr
 from blockzoo.layers.dims import TensorDim
 from blockzoo.model.config import DecoderBlockConfig
 from blockzoo.plugins import get_registry
@@ -63,7 +63,7 @@ class DecoderBlock(nn.Module):
         self, config: DecoderBlockConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
         super().__init__()
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         common = {"hidden_dim": hidden_dim, "distributed": distributed, "lr_scale": lr_scale}
         self.residual_multiplier = config.residual_multiplier
         self.mixer = build_part(config.mixer, name=f"{name}.mixer", **common)

@@ -25,14 +25,14 @@ from torch import nn
 from blockzoo.conversion import Origin
 from blockzoo.distributed.ops import gather_tokens, reduce_from_tensor_region, reduce_scatter_tokens
 from blockzoo.distributed.runtime import Distributed
-from blockzoo.errors import UsageError
 from blockzoo.layers.base import Batch, slice_losses
-from blockzoo.layers.config import NormalInitializationConfig
+from blockzoo.layers.config import NormalInitializationConfig, scaled_lr
 from blockzoo.layers.cross_entropy import linear_cross_entropy
 from blockzoo.layers.dims import PaddedTensorDim, TensorDim
 from blockzoo.layers.parameter import create_parameter
 from blockzoo.model.block import build_part, scaled
 from blockzoo.model.config import EmbeddingsConfig, HeadConfig, ModelConfig
+from blockzoo.model.generation import GeneratedTokens, check_prompts, next_tokens
 from blockzoo.peft.apply import apply_peft
 
 
@@ -46,10 +46,6 @@ def own_tokens(tensor: torch.Tensor, distributed: Distributed) -> torch.Tensor:
             f"{len(tensor)} tokens cannot be split between {distributed.tensor_size} sequence-tensor-parallel ranks"
         )
     return tensor[distributed.tensor_rank * size : (distributed.tensor_rank + 1) * size]
-
-
-def _scaled(lr_scale: float, own: float | None) -> float:
-    return lr_scale * (1.0 if own is None else own)
 
 
 def vocab_dim(vocab_size: int) -> PaddedTensorDim:
@@ -67,7 +63,7 @@ class Embeddings(nn.Module):
     def __init__(self, config: EmbeddingsConfig, *, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float):
         super().__init__()
         self.distributed = distributed
-        lr_scale = _scaled(lr_scale, config.lr_scale)
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         initialization = NormalInitializationConfig(std=hidden_dim.global_size**-0.5)
         settings = config.word_embeddings.resolve(initialization=initialization, lr_scale=lr_scale)
         self.vocab_size = config.vocab_size
@@ -131,7 +127,7 @@ class Head(nn.Module):
         self.distributed = distributed
         self.vocab_size = vocab_size
         self.logits_multiplier = config.logits_multiplier
-        lr_scale = _scaled(lr_scale, config.lr_scale)
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         self.normalization = build_part(
             config.normalization,
             name="head.normalization",
@@ -204,7 +200,7 @@ class LanguageModel(nn.Module):
         # The files of the checkpoint of another format the weights came from (blockzoo.conversion.Origin).
         self.origin: Origin | None = None
         hidden_dim = TensorDim("hidden", config.hidden_size)
-        lr_scale = _scaled(1.0, config.lr_scale)
+        lr_scale = scaled_lr(1.0, config.lr_scale)
         self.embeddings = Embeddings(
             config.embeddings, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale
         )
@@ -327,8 +323,7 @@ class LanguageModel(nn.Module):
         """
         if self.distributed.sequence_tensor_parallel:
             raise ValueError("generation does not support sequence-tensor-parallel; use tensor_parallel only")
-        if not prompts or any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         device, dtype = self.distributed.device, self.distributed.compute_dtype
         lengths = torch.tensor([len(prompt) for prompt in prompts])  # on the host: Batch reads them there
         states = [
@@ -337,40 +332,12 @@ class LanguageModel(nn.Module):
         tokens = torch.tensor([token for prompt in prompts for token in prompt], device=device)
         batch = Batch(lengths, device=device, past_lengths=torch.zeros_like(lengths))
         logits = self.forward_packed(tokens, batch, states)[batch.cu_seqlens[1:].long() - 1]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        finished = [False] * len(prompts)
-        stop_tokens = {stop_token} if isinstance(stop_token, int) else set(stop_token or ())
+        generated = GeneratedTokens(len(prompts), stop_token)
         for step in range(max_new_tokens):
-            # One transfer to the host per step (the tokens and whether the logits were finite): on a GPU every
-            # further read of a device value would wait for the device again.
-            *next_tokens, finite = torch.cat(
-                [_pick(logits.float(), temperature, top_k, generator), torch.isfinite(logits).all().long()[None]]
-            ).tolist()
-            if not finite:
-                raise UsageError(
-                    f"the model's logits are not finite (nan or inf) for new token {step + 1}: its weights are "
-                    "unusable (did its training diverge?)"
-                )
-            for index, token in enumerate(next_tokens):
-                if not finished[index]:
-                    outputs[index].append(token)
-                    finished[index] = token in stop_tokens
-            if all(finished) or step + 1 == max_new_tokens:
+            tokens = next_tokens(logits, temperature, top_k, generator, step)
+            if generated.add(tokens) or step + 1 == max_new_tokens:
                 break
             batch = Batch([1] * len(prompts), device=device, past_lengths=lengths)
-            logits = self.forward_packed(torch.tensor(next_tokens, device=device), batch, states)
+            logits = self.forward_packed(torch.tensor(tokens, device=device), batch, states)
             lengths = lengths + 1
-        return outputs
-
-
-def _pick(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k is not None:
-        threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    probabilities = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probabilities.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+        return generated.outputs

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map_only
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layer_errors import LayerOutputError
 from blockzoo.layers.base import Batch
+from blockzoo.layers.config import scaled_lr
 from blockzoo.layers.dims import TensorDim
 from blockzoo.model.block import build_part, not_a_view, scaled
 from blockzoo.model.config import ParallelBlockConfig
@@ -34,7 +35,7 @@ class ParallelBlock(nn.Module):
         lr_scale: float,
     ):
         super().__init__()
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         common = {"hidden_dim": hidden_dim, "distributed": distributed, "lr_scale": lr_scale}
         self.residual_multiplier = config.residual_multiplier
         self.input_multipliers = {mixer: config.input_multipliers.get(mixer, 1.0) for mixer in config.mixers}

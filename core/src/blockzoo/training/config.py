@@ -16,6 +16,7 @@ from blockzoo.config import (
     greater_than,
 )
 from blockzoo.data.config import DatasetConfig
+from blockzoo.training.fp8_config import FP8Config
 from blockzoo.training.tracking_config import TrackerConfig
 
 
@@ -124,6 +125,11 @@ class TrainingConfig(Config):
         "none",
         doc="`blocks`: torch.compile each block's training forward (and its backward), fusing its elementwise work; "
         "blocks of one configuration share one compilation. Evaluation and generation run eagerly.",
+    )
+    fp8: FP8Config | None = field(
+        None,
+        doc="FP8 training of the linear layers through torchao's float8 (`{recipe: tensorwise}`; needs blockzoo[fp8] "
+        "and a GPU with FP8 tensor cores); a linear's `fp8: false` opts it out. None: the compute dtype. docs/fp8.md.",
     )
     cuda_graphs: bool = field(
         False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -241,3 +242,24 @@ def _count(number: int) -> str:
         if number >= size:
             return f"{number / size:.3g}{unit}"
     return str(number)
+
+
+def start_lines(model: nn.Module, run_config, data_size: int, *, step: int, resumed_from) -> list[str]:
+    """What a run will do: its parameters per kind of layer, its tokens per step, where it writes and where it
+    starts (or that it has nothing to do)."""
+    output_dir, train_iters = Path(run_config.training.output_dir), run_config.training.train_iters
+    lines = [
+        parameters_line(model, pipeline_stages=run_config.distributed.pipeline_parallel),
+        tokens_line(run_config, data_size),
+    ]
+    if step >= train_iters:
+        lines.append(
+            f"nothing to do: the run in {output_dir} is complete ({resumed_from} is at step {step}, "
+            f"training.train_iters is {train_iters}; raise it to train further)"
+        )
+    elif resumed_from is not None:
+        lines.append(f"output directory {output_dir}: resuming from {resumed_from} at step {step}, training to step ")
+        lines[-1] += str(train_iters)
+    else:
+        lines.append(f"output directory {output_dir}: a new run of {train_iters} steps")
+    return lines

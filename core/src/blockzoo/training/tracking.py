@@ -6,11 +6,13 @@ A tracker is a plugin type of kind `tracker`: a `TrackerConfig` subclass and a `
 
 A tracker never stops or slows the training unless the run asks for it (`training.trackers_required`): each runs on
 its own background thread, fed through a bounded queue, so a slow `wandb.init` or a network stall costs the training
-loop a queue put. A tracker that fails (its library missing, its directory not writable, an exception in it) is
-reported once, on the training's own log, and is not called again; a tracker that falls behind by a whole queue
-loses entries (said once) rather than holding the step. With `trackers_required`, any failure is a `TrackingError`
-naming the tracker, raised in the training loop at the next call; the trackers' start is waited for before the
-first step, and a full queue waits instead of dropping (each at most `WAIT_SECONDS`, then a failure too).
+loop a queue put; one with `separate_process` (the first-party trackers of other libraries) does its work in a child
+process, its thread forwarding the calls (`blockzoo.training.tracker_process`). A tracker that fails (its library
+missing, its directory not writable, an exception in it) is reported once, on the training's own log, and is not
+called again; a tracker that falls behind by a whole queue loses entries (said once) rather than holding the step.
+With `trackers_required`, any failure is a `TrackingError` naming the tracker, raised in the training loop at the
+next call; the trackers' start is waited for before the first step, and a full queue waits instead of dropping (each
+at most `WAIT_SECONDS`, then a failure too).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from blockzoo.training.tracking_config import TrackerConfig
 QUEUE_SIZE = 1024  # logged steps a tracker may fall behind by before its entries are dropped
 FINISH_SECONDS = 120.0  # how long the end of a run waits for a tracker to write what it holds and finish
 WAIT_SECONDS = 120.0  # with trackers_required: how long a start, or a full queue, may hold the run
+BATCH_SECONDS = 0.1  # how often a busy tracker thread takes the calls that arrived: figures are at most this late
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +52,17 @@ class TrackerRun:
     output_dir: Path
     start_step: int
     name: str
+
+    def history(self) -> list[dict[str, Any]] | None:
+        """The entries of the run's `metrics.jsonl` up to `start_step`, in order: what a tracker that cannot take
+        figures back replays into a new run of its own, superseding the run an earlier process wrote past its
+        checkpoint. None when the run has no metrics file (`jsonl` turned off)."""
+        from blockzoo.training.metrics import METRICS_FILE, read_metrics  # it imports this module
+
+        path = self.output_dir / METRICS_FILE
+        if not path.is_file():
+            return None
+        return [entry for entry in read_metrics(path) if entry["step"] <= self.start_step]
 
 
 @attrs.frozen(kw_only=True)
@@ -97,9 +111,9 @@ def scalar_figures(entry: Mapping[str, Any], prefix: str = "") -> dict[str, floa
 
 class TrackerRunFile:
     """A tracker's own record in the run's directory (a small JSON file), for trackers whose run lives elsewhere (a
-    server, a database): the id of that run, so a resumed run continues it, and the last step sent to it, so the
-    resumed run does not send again the steps an earlier process had already sent (such trackers cannot take back a
-    figure; the resumed run's figures of those steps are not sent). Written atomically."""
+    server, a database): the id of that run, so a resumed run continues it, and the last step sent to it, so a
+    resumed run knows whether an earlier process sent steps past the checkpoint (such trackers cannot take back a
+    figure: they supersede that run with a new one, `TrackerRun.history` replayed into it). Written atomically."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -117,6 +131,14 @@ class TrackerRunFile:
     @property
     def last_step(self) -> int:
         return int(self.data.get("last_step", 0))
+
+    def supersede(self, run_id: str, *, step: int) -> str | None:
+        """Record `run_id` as the tracker's run from now on, holding the steps up to `step`; the superseded run's
+        id (also kept in the record's `superseded` list), or None if there was none."""
+        old = self.run_id
+        superseded = [*self.data.get("superseded", []), *([old] if old else [])]
+        self.update(run_id=run_id, last_step=step, superseded=superseded)
+        return old
 
     def update(self, **values: Any) -> None:
         self.data.update(values)
@@ -150,17 +172,37 @@ class _Worker:
         self._thread.start()
 
     def _serve(self) -> None:
+        # An idle thread waits (costing nothing) and takes a first call at once; then it takes what arrived every
+        # `BATCH_SECONDS` until nothing did: a thread waiting in `get` is woken by every put, taking the interpreter
+        # from the training loop once per logged step.
         while True:
-            call = self._calls.get()
-            try:
-                if call is _FINISH:
-                    return
-                if self.failure is None:
-                    call()
-            except BaseException as error:  # noqa: BLE001 - a tracker's failure is reported, never raised here
-                self.failure = f"{type(error).__name__}: {error}"
-            finally:
-                self._calls.task_done()
+            calls = [self._calls.get()]
+            while calls:
+                for call in calls:
+                    if not self._call(call):
+                        return
+                time.sleep(BATCH_SECONDS)
+                calls = self._arrived()
+
+    def _arrived(self) -> list[Any]:
+        calls = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                calls.append(self._calls.get_nowait())
+        return calls
+
+    def _call(self, call: Any) -> bool:
+        """Make one call (unless the tracker failed already); False for the end."""
+        try:
+            if call is _FINISH:
+                return False
+            if self.failure is None:
+                call()
+        except BaseException as error:  # noqa: BLE001 - a tracker's failure is reported, never raised here
+            self.failure = f"{type(error).__name__}: {error}"
+        finally:
+            self._calls.task_done()
+        return True
 
     def submit(self, call: Callable[[], None]) -> None:
         if self.failure is not None:
@@ -203,6 +245,10 @@ class Trackers:
         for name, config in configs.items():
             try:
                 tracker = get_registry().implementation_of(config)(config)
+                if config.separate_process:  # the same tracker, built and called in a child process
+                    from blockzoo.training.tracker_process import ChildProcessTracker
+
+                    tracker = ChildProcessTracker(config)
             except Exception as error:  # noqa: BLE001 - its failure, reported below like any other
                 worker = _Worker(name, None, blocking=required)
                 worker.failure = f"{type(error).__name__}: {error}"

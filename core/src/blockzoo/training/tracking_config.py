@@ -10,9 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from blockzoo.config import PolymorphicConfig, configclass
+from blockzoo.config import PolymorphicConfig, configclass, field
 
 DEFAULT_TRACKER = "jsonl"
+
+SEPARATE_PROCESS_DOC = (
+    "Run the tracker in a child process of its own, not on a thread of the training process: its work then never "
+    "holds the training loop's interpreter (the loop's cost is a queue put, the tracker thread's a pipe write of "
+    "the entry). Costs the child's start (an interpreter, the tracker's library) once."
+)
 
 
 @configclass
@@ -22,6 +28,8 @@ class TrackerConfig(PolymorphicConfig):
 
     kind: ClassVar[str] = "tracker"
     default_type: ClassVar[str] = "jsonl"
+
+    separate_process: bool = field(False, doc=SEPARATE_PROCESS_DOC)
 
 
 @configclass
