@@ -310,7 +310,7 @@ def test_tensor_parallel_load_and_save(hf_directories, tmp_path):
     # The in_proj multipliers apply to each rank's share of z, x, B, C, dt; saving gathers the very tensors.
     from safetensors.torch import save_file
 
-    from blockzoo.testing.distributed import run_distributed
+    from blockzoo_testing.distributed import run_distributed
 
     directory, expected = hf_directories["falcon_h1"]
     save_file({"logits": expected}, tmp_path / "expected.safetensors")

@@ -28,8 +28,8 @@ import blockzoo
 from blockzoo.config import ConfigError, structure, to_dict
 from blockzoo.conversion import ConversionError, checkpoint_formats, sections, unclaimed_fields
 from blockzoo.model.config import ModelConfig
-from blockzoo.testing import ConverterSectionConformance
 from blockzoo_mamba_2.huggingface import transformers_release_at_least
+from blockzoo_testing import ConverterSectionConformance
 
 
 @pytest.fixture(scope="module")

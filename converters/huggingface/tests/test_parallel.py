@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import blockzoo
 from blockzoo.api import Distributed, DistributedConfig
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 
 def _ranks(hf_dir: str, expected_path: str, out_dir: str) -> None:

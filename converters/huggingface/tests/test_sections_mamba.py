@@ -3,7 +3,7 @@ every field claimed, torch-free): Jamba's Mamba with its dt/B/C norms (which nee
 normalization section), attention without rotary embeddings, the MoE that never renormalizes, the dense MLP
 under `feed_forward`. The Mamba plugins' own files check their other sections."""
 
-from blockzoo.testing import ConverterSectionConformance
+from blockzoo_testing import ConverterSectionConformance
 
 NORM = {"type": "rms_norm", "epsilon": 1e-5}
 

@@ -13,7 +13,6 @@ import torch
 from blockzoo import config as configs
 from blockzoo.api import Distributed
 from blockzoo.layers.config import LayerNormalizationConfig, RMSNormalizationConfig
-from blockzoo.testing import build_layer, single_process
 from blockzoo_attention.attention import Attention
 from blockzoo_attention.config import (
     AttentionConfig,
@@ -22,6 +21,7 @@ from blockzoo_attention.config import (
     NoRotaryConfig,
     YarnRotaryConfig,
 )
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2024
 HIDDEN = 16

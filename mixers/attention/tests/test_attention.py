@@ -9,9 +9,9 @@ import torch
 from attention_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
-from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import KERNELS, Segments, TorchKernel, select_kernel
+from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.

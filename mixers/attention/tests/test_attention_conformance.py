@@ -1,9 +1,9 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the attention mixer: discovery, config, shapes, packed
+"""blockzoo's conformance kit (`blockzoo_testing`) on the attention mixer: discovery, config, shapes, packed
 documents, every field, gradients, tensor and sequence-tensor parallel, KV-cache decoding, checkpoints, FLOPs; and
 its Llama converter section (config and weights both ways, everything claimed; the sections with head norms need
 the normalization sections of blockzoo-huggingface, whose tests cover them)."""
 
-from blockzoo.testing import ConverterSectionConformance, MixerConformance
+from blockzoo_testing import ConverterSectionConformance, MixerConformance
 
 
 class TestAttentionConformance(MixerConformance):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from attention_reference import SEED, build
 
-from blockzoo.testing import check_decoding, check_matches_layer, check_padded_batch, single_process
 from blockzoo_attention.kernels import KERNELS, select_kernel
+from blockzoo_testing import check_decoding, check_matches_layer, check_padded_batch, single_process
 
 pytestmark = pytest.mark.gpu
 

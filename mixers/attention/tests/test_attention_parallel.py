@@ -8,8 +8,8 @@ that 4 ranks cannot split, nor the heads of each group, are refused.
 import pytest
 from attention_reference import SEED
 
-from blockzoo.testing import check_tensor_parallel
 from blockzoo_attention.config import AttentionConfig
+from blockzoo_testing import check_tensor_parallel
 
 RANDOM_BIAS = {"bias": {"initialization": {"type": "normal", "std": 0.5}}}
 RANDOM_NORM = {"type": "rms_norm", "weight": {"initialization": {"type": "normal", "mean": 1.0, "std": 0.3}}}

@@ -11,7 +11,7 @@ from attention_reference import SEED, build
 from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch, slice_batch
 from blockzoo.run_config import RunConfig
-from blockzoo.testing import check_forward_slices, layer_inputs, single_process
+from blockzoo_testing import check_forward_slices, layer_inputs, single_process
 
 TOLERANCE = {"atol": 2e-5, "rtol": 1e-5}
 # 24 tokens: a document longer than several slices, one of a single token, documents ending on slice boundaries.

@@ -10,9 +10,9 @@ import torch
 
 from blockzoo import config as configs
 from blockzoo.api import Distributed
-from blockzoo.testing import build_layer, single_process
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
 from blockzoo_discrete_mamba_2.mixer import DiscreteMamba2
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2024
 HIDDEN = 16

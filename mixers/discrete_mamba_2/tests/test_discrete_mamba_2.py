@@ -12,8 +12,8 @@ from dm2_reference import RANDOM, RANDOM_BIAS, SMALL, build, reference_forward
 import blockzoo
 import blockzoo_discrete_mamba_2.mixer as mixer_module
 from blockzoo.layers.base import Batch
-from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 
 LENGTHS = [7, 1, 10]  # Not multiples of the chunk size (4); one document shorter than the convolution.
 CASES = {

@@ -113,13 +113,13 @@ def test_config_module_imports_no_torch():
 def test_check_environment_reports_cuda_without_mamba_ssm(monkeypatch):
     import torch
 
-    import blockzoo.ssm
+    import blockzoo_ssm
 
-    monkeypatch.setattr(blockzoo.ssm, "mamba_ssm_available", lambda: False)
+    monkeypatch.setattr(blockzoo_ssm, "mamba_ssm_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert plugin.check_environment() == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     (problem,) = plugin.check_environment()
     assert "mamba_ssm does not import" in problem and "blockzoo-discrete-mamba-2[kernels]" in problem
-    monkeypatch.setattr(blockzoo.ssm, "mamba_ssm_available", lambda: True)
+    monkeypatch.setattr(blockzoo_ssm, "mamba_ssm_available", lambda: True)
     assert plugin.check_environment() == []

@@ -1,7 +1,7 @@
 """blockzoo's conformance kit on the mixer: discovery, config round trips, meta-device construction, bf16, packed
 documents, tensor parallel, decoding, checkpoints and FLOPs, as any plugin's mixer is checked."""
 
-from blockzoo.testing import MixerConformance
+from blockzoo_testing import MixerConformance
 
 
 class TestDiscreteMamba2Conformance(MixerConformance):

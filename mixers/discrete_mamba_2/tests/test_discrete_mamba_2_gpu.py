@@ -1,4 +1,4 @@
-"""The mixer on CUDA (where blockzoo.ssm takes mamba_ssm's Triton SSD kernel when it is importable) against the same
+"""The mixer on CUDA (where blockzoo_ssm takes mamba_ssm's Triton SSD kernel when it is importable) against the same
 mixer on the CPU path: outputs and gradients over packed documents, fp32 and bf16, and decoding on CUDA against the
 full forward. Run on a GPU machine (skipped without CUDA).
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from dm2_reference import SEED, build
 
-from blockzoo.testing import (
+from blockzoo_testing import (
     check_decoding,
     check_forward_slices,
     check_matches_layer,

@@ -8,8 +8,8 @@ every parameter but the output bias is split between the ranks.
 import pytest
 from dm2_reference import RANDOM, RANDOM_BIAS, SEED, build
 
-from blockzoo.testing import check_tensor_parallel
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+from blockzoo_testing import check_tensor_parallel
 
 CASES = {
     "z-bias-silu": {

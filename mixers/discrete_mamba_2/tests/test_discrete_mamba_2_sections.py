@@ -2,7 +2,7 @@
 conformance kit: every field claimed, config and weights both ways bit for bit, torch-free; with in_proj biases and
 without (then `z_bias`)."""
 
-from blockzoo.testing import ConverterSectionConformance
+from blockzoo_testing import ConverterSectionConformance
 
 
 class TestAprielDiscreteMamba2SectionConformance(ConverterSectionConformance):

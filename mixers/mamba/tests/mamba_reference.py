@@ -14,9 +14,9 @@ import torch
 from blockzoo import config as configs
 from blockzoo.api import Distributed
 from blockzoo.layers.config import LayerNormalizationConfig, RMSNormalizationConfig
-from blockzoo.testing import build_layer, single_process
 from blockzoo_mamba.config import MambaConfig
 from blockzoo_mamba.mamba import Mamba
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2024
 HIDDEN = 16

@@ -8,8 +8,8 @@ import torch
 from mamba_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
-from blockzoo.testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 from blockzoo_mamba.config import ConvolutionConfig, MambaConfig
+from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.

@@ -1,8 +1,8 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the Mamba 1 mixer, in its standard and its grouped (xb_size)
+"""blockzoo's conformance kit (`blockzoo_testing`) on the Mamba 1 mixer, in its standard and its grouped (xb_size)
 layout: discovery, config, shapes, meta-device construction, packed documents, every field, gradients, tensor and
 sequence-tensor parallel, decoding, checkpoints and FLOPs, as any plugin's mixer is checked."""
 
-from blockzoo.testing import MixerConformance
+from blockzoo_testing import MixerConformance
 
 GROUPED_ONLY = "grouped layout only (xb_size set): TestGroupedMambaConformance checks it"
 

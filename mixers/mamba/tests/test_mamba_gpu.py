@@ -10,7 +10,7 @@ import pytest
 import torch
 from mamba_reference import SEED, build
 
-from blockzoo.testing import (
+from blockzoo_testing import (
     check_decoding,
     check_forward_slices,
     check_matches_layer,
@@ -46,7 +46,7 @@ DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_matches_the_cpu_path(case, dtype, monkeypatch):
-    import blockzoo.ssm.triton_selective_scan as triton_selective_scan  # imports triton: CUDA machines only
+    import blockzoo_ssm.triton_selective_scan as triton_selective_scan  # imports triton: CUDA machines only
 
     calls = []
     kernel = triton_selective_scan.selective_scan_triton

@@ -9,8 +9,8 @@ are refused.
 import pytest
 from mamba_reference import SEED
 
-from blockzoo.testing import check_tensor_parallel
 from blockzoo_mamba.config import MambaConfig
+from blockzoo_testing import check_tensor_parallel
 
 RANDOM_BIAS = {"bias": {"initialization": {"type": "normal", "std": 0.5}}}
 RANDOM_NORM = {"type": "rms_norm", "weight": {"initialization": {"type": "normal", "mean": 1.0, "std": 0.3}}}

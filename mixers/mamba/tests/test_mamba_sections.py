@@ -3,7 +3,7 @@ config and weights both ways bit for bit, torch-free. `mamba` (MambaForCausalLM)
 "m2" layers in the grouped one; Jamba's, whose dt/B/C norms need the normalization sections of
 blockzoo-huggingface, is checked in converters/huggingface/tests/test_sections_mamba.py."""
 
-from blockzoo.testing import ConverterSectionConformance
+from blockzoo_testing import ConverterSectionConformance
 
 
 class TestMambaSectionConformance(ConverterSectionConformance):

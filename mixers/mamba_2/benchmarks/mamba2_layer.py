@@ -26,9 +26,9 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import MixerConfig
 from blockzoo.layers.dims import TensorDim
-from blockzoo.ssm import conv, import_mamba_ssm, layers
-from blockzoo.ssm.scan import positions_in_batch
 from blockzoo_mamba_2.mamba_2 import Mamba2
+from blockzoo_ssm import conv, import_mamba_ssm, layers
+from blockzoo_ssm.scan import positions_in_batch
 
 
 def time_step(step, steps: int, warmup: int) -> float:

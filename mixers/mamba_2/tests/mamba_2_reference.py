@@ -13,9 +13,9 @@ import torch
 
 from blockzoo import config as configs
 from blockzoo.api import Distributed
-from blockzoo.testing import build_layer, single_process
 from blockzoo_mamba_2.config import Mamba2Config
 from blockzoo_mamba_2.mamba_2 import Mamba2
+from blockzoo_testing import build_layer, single_process
 
 SEED = 2024
 HIDDEN = 16

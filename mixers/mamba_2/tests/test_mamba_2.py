@@ -8,7 +8,8 @@ from mamba_2_reference import AROUND_ONE, RANDOM, SEED, build, reference_forward
 
 import blockzoo_mamba_2.mamba_2 as mamba_2_module
 from blockzoo.layers.base import Batch
-from blockzoo.testing import (
+from blockzoo_mamba_2.config import ConvolutionConfig, GatedNormalizationConfig, Mamba2Config
+from blockzoo_testing import (
     LayerSignature,
     check_decoding,
     check_packed_documents,
@@ -17,7 +18,6 @@ from blockzoo.testing import (
     run_layer,
     single_process,
 )
-from blockzoo_mamba_2.config import ConvolutionConfig, GatedNormalizationConfig, Mamba2Config
 
 LENGTHS = [5, 1, 7]  # Not multiples of the chunk size (4), and a document of one token.
 SMALL = {"heads": 4, "head_size": 4, "state_size": 3, "chunk_size": 4}

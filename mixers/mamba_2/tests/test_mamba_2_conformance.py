@@ -1,8 +1,8 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the Mamba 2 mixer: discovery, config, shapes, meta-device
+"""blockzoo's conformance kit (`blockzoo_testing`) on the Mamba 2 mixer: discovery, config, shapes, meta-device
 construction, packed documents, every field, gradients, tensor and sequence-tensor parallel, decoding, checkpoints
 and FLOPs, as any plugin's mixer is checked."""
 
-from blockzoo.testing import MixerConformance
+from blockzoo_testing import MixerConformance
 
 
 class TestMamba2Conformance(MixerConformance):

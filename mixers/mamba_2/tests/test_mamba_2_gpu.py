@@ -2,7 +2,7 @@
 inside it; the convolution through blockzoo's Triton kernels) against the same mixer on the CPU path in fp32:
 outputs and gradients over packed documents, and bf16 within a loose tolerance; decoding on CUDA (the state path)
 against the full forward (the kernel path); each output-norm variant; and with `recompute_convolution` (the
-convolution recomputed in the backward pass, `blockzoo.ssm.convolved_ssd_scan`) against the same CPU path. Run on
+convolution recomputed in the backward pass, `blockzoo_ssm.convolved_ssd_scan`) against the same CPU path. Run on
 a GPU machine (skipped without CUDA).
 
 Tolerances are relative errors ‖x − reference‖ / ‖reference‖ (those of core/tests/test_ssm_gpu.py): fp32 5e-3 for
@@ -14,7 +14,7 @@ import pytest
 import torch
 from mamba_2_reference import AROUND_ONE, RANDOM, SEED, build
 
-from blockzoo.testing import (
+from blockzoo_testing import (
     check_decoding,
     check_forward_slices,
     check_matches_layer,

@@ -5,8 +5,8 @@ output norm's variants, in one set of two gloo processes. Groups the ranks do no
 import pytest
 from mamba_2_reference import AROUND_ONE, RANDOM, SEED
 
-from blockzoo.testing import check_tensor_parallel
 from blockzoo_mamba_2.config import Mamba2Config
+from blockzoo_testing import check_tensor_parallel
 
 LARGE_DT = {"dt_bias": {"initialization": {"type": "normal", "std": 1.0}}}
 CASES = {

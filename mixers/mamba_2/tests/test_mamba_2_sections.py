@@ -9,9 +9,9 @@ import pytest
 
 from blockzoo.config import structure
 from blockzoo.conversion import ConversionError, export_config
-from blockzoo.testing import ConverterSectionConformance
 from blockzoo_mamba_2.config import Mamba2Config
 from blockzoo_mamba_2.huggingface import transformers_norm_is_per_group
+from blockzoo_testing import ConverterSectionConformance
 
 # Two groups (where the formats' norms differ), biases on in_proj and out_proj, none on the convolution.
 _MIXER = {

@@ -15,7 +15,7 @@ import torch
 from mamba_2_reference import AROUND_ONE, RANDOM, build
 
 from blockzoo.layers.base import Batch
-from blockzoo.testing import layer_inputs
+from blockzoo_testing import layer_inputs
 
 transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("mamba_ssm") is not None:

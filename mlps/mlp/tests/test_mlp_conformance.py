@@ -1,8 +1,8 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the dense MLP: discovery, config, shapes, packed documents,
+"""blockzoo's conformance kit (`blockzoo_testing`) on the dense MLP: discovery, config, shapes, packed documents,
 every field, gradients, tensor and sequence-tensor parallel, generation, checkpoints, FLOPs; and its Llama converter
 section (config and weights both ways, everything claimed)."""
 
-from blockzoo.testing import ConverterSectionConformance, MLPConformance
+from blockzoo_testing import ConverterSectionConformance, MLPConformance
 
 
 class TestDenseMLPConformance(MLPConformance):

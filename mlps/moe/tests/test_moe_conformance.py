@@ -1,9 +1,9 @@
-"""blockzoo's conformance kit (`blockzoo.testing`) on the mixture of experts: discovery, config, shapes, packed
+"""blockzoo's conformance kit (`blockzoo_testing`) on the mixture of experts: discovery, config, shapes, packed
 documents, every field, gradients, tensor parallel, generation, checkpoints, FLOPs. Expert parallelism is
 test_moe_expert_parallel.py's. And its Mixtral and Qwen2-MoE converter sections (config and weights both ways,
 everything claimed)."""
 
-from blockzoo.testing import ConverterSectionConformance, MLPConformance
+from blockzoo_testing import ConverterSectionConformance, MLPConformance
 
 
 class TestMoEConformance(MLPConformance):

@@ -25,10 +25,10 @@ from blockzoo.layers.config import MLPConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.trainer import Trainer
 from blockzoo_moe.config import MoEMLPConfig
 from blockzoo_moe.moe import MoEMLP
+from blockzoo_testing.distributed import run_distributed
 
 HIDDEN, INTERMEDIATE, SEED = 16, 12, 4321
 LENGTHS = [5, 7]  # Each rank's tokens; the single process sees both ranks' tokens.

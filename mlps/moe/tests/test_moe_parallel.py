@@ -12,8 +12,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import MLPConfig
 from blockzoo.layers.dims import TensorDim
-from blockzoo.testing.distributed import run_distributed
 from blockzoo_moe.moe import MoEMLP
+from blockzoo_testing.distributed import run_distributed
 
 HIDDEN, INTERMEDIATE, LENGTHS, SEED = 16, 12, [5, 7], 4321
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}  # fp32; the ranks sum in another order than the single process.

@@ -126,6 +126,17 @@ COMPANION_FILES = (
 )
 
 
+# The names transformers' configs give the activations (`hidden_act`), by blockzoo's `activation`.
+TRANSFORMERS_ACTIVATIONS = {
+    "silu": "silu",
+    "gelu": "gelu",
+    "relu": "relu",
+    "squared_relu": "relu2",
+    "identity": "linear",
+}
+TRANSFORMERS_ACTIVATION_ALIASES = {"swish": "silu"}
+
+
 @attrs.frozen(kw_only=True)
 class HuggingfaceFormat(CheckpointFormat):
     """One transformers architecture (`model_type`, `architecture`) as a blockzoo checkpoint format `name`.
@@ -162,6 +173,24 @@ class HuggingfaceFormat(CheckpointFormat):
             return read_json(path).get("model_type") == self.model_type
         except ConversionError:
             return False
+
+    def value_names(self, vocabulary: str) -> tuple[Mapping[str, str], Mapping[str, str]]:
+        """transformers' names: of the activations (`hidden_act`: `ACT2FN`'s keys), the only vocabulary."""
+        if vocabulary != "activation":
+            return super().value_names(vocabulary)
+        return TRANSFORMERS_ACTIVATIONS, TRANSFORMERS_ACTIVATION_ALIASES
+
+    def describe_unread(self, directory: Path) -> str | None:
+        """A directory with a config.json and no blockzoo metadata.yaml is a Hugging Face checkpoint (of its
+        `model_type`, when it names one)."""
+        directory = Path(directory)
+        if (directory / "metadata.yaml").is_file() or not (directory / CONFIG_JSON).is_file():
+            return None
+        try:
+            model_type = read_json(directory / CONFIG_JSON).get("model_type")
+        except ConversionError:
+            model_type = None
+        return f"a Hugging Face checkpoint of model_type {model_type!r}" if model_type else "a Hugging Face checkpoint"
 
     def origin(self, directory: Path) -> Origin:
         """config.json and the companion files (`COMPANION_FILES`) of the directory."""

@@ -58,10 +58,11 @@ FALCON_H1_0_5B = {
     "ssm_out_multiplier": 0.23570226039551587,
     "vocab_size": 32784,
 }
-# The larger sizes: the shapes of the published configs (transformers' Falcon-H1 documentation table: depth, width,
-# heads, Mamba heads and head sizes, state size); their µP multipliers are not transcribed here (see FALCON_NOTE).
+# The larger sizes normalize Mamba 2's output (gate, then a gated RMSNorm), where 0.5B has no norm; their µP
+# multipliers are not transcribed (see FALCON_NOTE).
+_FALCON_H1_NORMED = {**_FALCON_H1, "mamba_norm_before_gate": False, "mamba_rms_norm": True}
 FALCON_H1_1_5B = {
-    **_FALCON_H1,
+    **_FALCON_H1_NORMED,
     "head_dim": 128,
     "hidden_size": 2048,
     "intermediate_size": 4608,
@@ -72,10 +73,10 @@ FALCON_H1_1_5B = {
     "max_position_embeddings": 131072,
     "num_attention_heads": 8,
     "num_hidden_layers": 24,
-    "vocab_size": 65537,
+    "vocab_size": 65536,
 }
 FALCON_H1_1_5B_DEEP = {
-    **_FALCON_H1,
+    **_FALCON_H1_NORMED,
     "head_dim": 128,
     "hidden_size": 1280,
     "intermediate_size": 3072,
@@ -86,10 +87,10 @@ FALCON_H1_1_5B_DEEP = {
     "max_position_embeddings": 131072,
     "num_attention_heads": 6,
     "num_hidden_layers": 66,
-    "vocab_size": 65537,
+    "vocab_size": 65536,
 }
 FALCON_H1_3B = {
-    **_FALCON_H1,
+    **_FALCON_H1_NORMED,
     "head_dim": 128,
     "hidden_size": 2560,
     "intermediate_size": 6144,
@@ -100,10 +101,10 @@ FALCON_H1_3B = {
     "max_position_embeddings": 131072,
     "num_attention_heads": 10,
     "num_hidden_layers": 32,
-    "vocab_size": 65537,
+    "vocab_size": 65536,
 }
 FALCON_H1_7B = {
-    **_FALCON_H1,
+    **_FALCON_H1_NORMED,
     "head_dim": 128,
     "hidden_size": 3072,
     "intermediate_size": 12288,
@@ -118,10 +119,32 @@ FALCON_H1_7B = {
 }
 FALCON_REQUIRES = ("blockzoo-attention", "blockzoo-mamba-2", "blockzoo-mlp", HF)
 FALCON_NOTE = (
-    "The µP multipliers of this size (embedding, lm_head, attention/SSM in and out, key, MLP, SSM) are not "
-    "transcribed: transformers' defaults (1.0) are taken. They change no parameter count; a model started from the "
-    "published checkpoint (`model.pretrained`) reads its own. Not checked against a stored copy of the config.json: "
-    "intermediate_size (for 3B, the width that gives the published 3.15B parameters)."
+    "The µP multipliers of this size (embedding, lm_head, attention/SSM in and out, key, MLP, SSM) were found in no "
+    "stored copy of its config.json (only the 0.5B's are stored): transformers' defaults (1.0) are taken. They change "
+    "no parameter count, and a model started from the published checkpoint (`model.pretrained`) reads its own; "
+    "training from scratch with them at 1.0 is not the published recipe. The shapes, vocabulary (65536 for the base "
+    "1.5B, 1.5B-Deep and 3B; the instruct checkpoints add one token), the Mamba output norm (`mamba_rms_norm: true`, "
+    "gate then normalize) and the rest are those of the stored copies below."
+)
+# Stored copies of the published values (see `checked_against`): where each was read, and what it confirms.
+STORED_FALCON_0_5B = (
+    "a Megatron-Bridge unit-test fixture, FALCON_H1_500M_CONFIG (the tiiuae/Falcon-H1-0.5B config.json: every "
+    "architecture key and µP multiplier; found by exact-string search, repository not named there)"
+)
+STORED_FALCON_SWEEP = (
+    "'Falcon H1 Transformers Audit' (a survey that read each tiiuae/Falcon-H1 config.json raw: per checkpoint the "
+    "layers, width, MLP width, vocabulary, attention heads/KV/head_dim, Mamba heads/head_dim/d_ssm, groups, state, "
+    "context, chunk size, and whether the Mamba output is RMS-normalized; found by exact-string search, repository "
+    "not named there)"
+)
+STORED_FALCON_DOC = (
+    "transformers' Falcon-H1 documentation table (docs/source/en/model_doc/falcon_h1.md, copied in "
+    "github.com/roboalchemist/llm-code-docs docs/llms-txt/huggingface-transformers/falcon_h1.md: depth, width, "
+    "heads, KV heads, Mamba heads, head sizes, state, context)"
+)
+STORED_FALCON_NORM = (
+    "a transformers GGUF loader patch for tiiuae/Falcon-H1R-7B ('mamba_rms_norm: True, mamba_norm_before_gate: "
+    "False: actual trained model uses'); found by exact-string search"
 )
 
 # -- Nemotron-H 8B: Mamba 2, attention and MLP layers laid out by a pattern.
@@ -155,6 +178,23 @@ NEMOTRON_H_8B = {
     "use_conv_bias": True,
     "vocab_size": 131072,
 }
+
+NEMOTRON_NOTE = (
+    "The published file names the attention head size attention_head_dim (128; the remote code of transformers 4 "
+    "read that key), which transformers 5 reads as head_dim: written here as head_dim, the same value."
+)
+STORED_NEMOTRON = (
+    "a Megatron-Bridge NemotronH bridge test fixture, nemotronh_8b_config_dict (the nvidia/Nemotron-H-8B-Base-8K "
+    "config.json: every architecture key, chunk_size 128, 8192 positions, layer_norm_epsilon 1e-5, "
+    "residual_in_fp32 false, use_conv_bias true, attention_head_dim 128); found by exact-string search, repository "
+    "not named there",
+    "github.com/pufanyi/Megatron-Bridge src/megatron/bridge/models/nemotronh/nemotron_h_provider.py@af52e856 "
+    "(NemotronHModelProvider8B: pattern, 52 layers, width 4096, 32 heads, 8 KV groups, FFN 21504, 128 Mamba heads of "
+    "64, state 128, 8 groups, squared ReLU, 8192 positions)",
+    "NVIDIA's configuration_nemotron_h.py shipped with the checkpoint (vLLM's copy, "
+    "github.com/jiayingsong2023/litevLLM vllm/transformers_utils/configs/nemotron_h.py: defaults documented as "
+    "NemotronH-v0.1, vocabulary 131072, untied, head_dim 128, layer_norm_epsilon 1e-5, conv 4, expand 2)",
+)
 
 # -- Granite 4.0 H-Tiny: Mamba 2 and attention (no position embedding) layers, each followed by a MoE with a shared
 # expert; Granite's multipliers.
@@ -194,9 +234,19 @@ GRANITE_4_0_H_TINY = {
     "vocab_size": 100352,
 }
 GRANITE_NOTE = (
-    "The published normalization_function (rmsnorm) is left out: the format implies it. The attention layers are at "
-    "5, 15, 25 and 35, the 9:1 layout published for the family (Granite 4.0 H-Small's positions); not checked against "
-    "a stored copy of this config.json: those positions and the multipliers (they change no parameter count)."
+    "The published normalization_function (rmsnorm) is left out: the format implies it. Attention at layers 5, 15, "
+    "25 and 35 (the stored copies below agree)."
+)
+STORED_GRANITE = (
+    "a model-matrix test fixture GRANITE_H_TINY_HF (ibm-granite/granite-4.0-h-tiny: width, depth, heads, KV heads, "
+    "expert and shared widths, 64 experts / 6 per token, vocabulary, tying, Mamba heads/head size/state/groups/"
+    "expand/conv/chunk, context, and layer_types with attention at 5, 15, 25, 35); found by exact-string search",
+    "github.com/quandvucl/granite-4-ttnn granite/config.py@3c798503 (the tiny's width 1536, 40 layers, 12 heads, 4 "
+    "KV heads, residual_multiplier 0.22, attention layers [5, 15, 25, 35])",
+    "a shard server's manifest for ibm-granite/granite-4.0-h-tiny (embedding_multiplier 12.0, logits_scaling 6.0, "
+    "rms_norm_eps 1e-5, vocabulary 100352, 64 experts, 6 per token, expert width 512); found by exact-string search",
+    "a Granite switch test naming 0.0078125 the attention_multiplier of granite-4.0-h-1b/tiny/small; found by "
+    "exact-string search",
 )
 
 # -- Qwen3-Next 80B-A3B: Gated DeltaNet and gated attention (3:1), every layer a MoE with a gated shared expert.
@@ -234,18 +284,32 @@ QWEN_3_NEXT_80B_A3B = {
     "vocab_size": 151936,
 }
 QWEN_NEXT_NOTE = (
-    "Not checked against a stored copy of the config.json: rope_theta, max_position_embeddings and intermediate_size "
-    "(the shapes are those transformers' Qwen3NextConfig documents for this model). The multi-token-prediction "
-    "layer of the published checkpoint is not part of the model transformers builds, nor of this preset. "
-    "intermediate_size (5120) is used by no layer: every layer is a MoE (mlp_only_layers is empty)."
+    "The multi-token-prediction layer of the published checkpoint is not part of the model transformers builds, nor "
+    "of this preset. intermediate_size (5120) is used by no layer: every layer is a MoE (mlp_only_layers is empty)."
+)
+STORED_QWEN_NEXT = (
+    "a stored model-card dump '# Qwen/Qwen3-Next-80B-A3B-Instruct / model config' (the config.json: head_dim 256, "
+    "width 2048, intermediate_size 5120, linear-attention heads and sizes, max_position_embeddings 262144, "
+    "full_attention_interval 4, mlp_only_layers [], moe_intermediate_size 512); found by code search, repository not "
+    "named there",
+    "a test fixture at Qwen/Qwen3-Next-80B-A3B-Instruct revision 9c7f2fbe (rope_theta 1e7, partial_rotary_factor "
+    "0.25, dense width 2.5x hidden = 5120, expert and shared widths 512, 16 q / 2 KV heads, 512 experts / 10 per "
+    "token, rms_norm_eps 1e-6, untied); found by exact-string search",
+    "github.com/xorbitsai/inference doc/source/models/builtin/llm/qwen3-next-instruct.rst (context length 262144)",
+    "a parameter-count test naming 79,674,391,296 parameters and 3,874,929,408 active for Qwen/Qwen3-Coder-Next, "
+    "the same architecture (the counts of this preset); found by exact-string search",
+    "transformers 5.25 models/qwen3_next/configuration_qwen3_next.py (its defaults, documented for "
+    "Qwen/Qwen3-Next-80B-A3B-Instruct, but intermediate_size 5632 and max_position_embeddings 32768 there are not "
+    "the published values)",
 )
 
 
-def _published(family, repository, config, parameters, published, requires, *, active=None, notes=""):
+def _published(family, repository, config, parameters, published, requires, *, active=None, notes="", checked=()):
     fields = {
         "requires": requires,
         "active_parameters": active,
         "notes": " ".join(filter(None, (notes, DEFAULTS_TAKEN))),
+        "checked_against": tuple(checked),
     }
     return Preset.published(family, repository, config, parameters, published, **fields)
 
@@ -263,36 +327,40 @@ QWEN_NEXT_REQUIRES = ("blockzoo-attention", "blockzoo-gated-delta-net", "blockzo
 
 def presets() -> dict[str, Preset]:
     falcon = dict(requires=FALCON_REQUIRES)
+    larger_falcon = dict(
+        falcon, notes=FALCON_NOTE, checked=(STORED_FALCON_SWEEP, STORED_FALCON_DOC, STORED_FALCON_NORM)
+    )
     return {
         "falcon_h1_0_5b": _published(
-            "Falcon-H1", "tiiuae/Falcon-H1-0.5B-Base", FALCON_H1_0_5B, 521_411_104, "0.5B", **falcon
+            "Falcon-H1",
+            "tiiuae/Falcon-H1-0.5B-Base",
+            FALCON_H1_0_5B,
+            521_411_104,
+            "0.5B",
+            checked=(STORED_FALCON_0_5B, STORED_FALCON_SWEEP, STORED_FALCON_DOC),
+            **falcon,
         ),
         "falcon_h1_1_5b": _published(
-            "Falcon-H1",
-            "tiiuae/Falcon-H1-1.5B-Base",
-            FALCON_H1_1_5B,
-            1_554_789_760,
-            "1.5B",
-            notes=FALCON_NOTE,
-            **falcon,
+            "Falcon-H1", "tiiuae/Falcon-H1-1.5B-Base", FALCON_H1_1_5B, 1_554_859_392, "1.5B", **larger_falcon
         ),
         "falcon_h1_1_5b_deep": _published(
-            "Falcon-H1",
-            "tiiuae/Falcon-H1-1.5B-Deep-Base",
-            FALCON_H1_1_5B_DEEP,
-            1_554_773_392,
-            "1.5B",
-            notes=FALCON_NOTE,
-            **falcon,
+            "Falcon-H1", "tiiuae/Falcon-H1-1.5B-Deep-Base", FALCON_H1_1_5B_DEEP, 1_554_872_208, "1.5B", **larger_falcon
         ),
         "falcon_h1_3b": _published(
-            "Falcon-H1", "tiiuae/Falcon-H1-3B-Base", FALCON_H1_3B, 3_149_261_312, "3B", notes=FALCON_NOTE, **falcon
+            "Falcon-H1", "tiiuae/Falcon-H1-3B-Base", FALCON_H1_3B, 3_149_387_264, "3B", **larger_falcon
         ),
         "falcon_h1_7b": _published(
-            "Falcon-H1", "tiiuae/Falcon-H1-7B-Base", FALCON_H1_7B, 7_585_513_568, "7B", notes=FALCON_NOTE, **falcon
+            "Falcon-H1", "tiiuae/Falcon-H1-7B-Base", FALCON_H1_7B, 7_585_648_736, "7B", **larger_falcon
         ),
         "nemotron_h_8b": _published(
-            "Nemotron-H", "nvidia/Nemotron-H-8B-Base-8K", NEMOTRON_H_8B, 8_100_852_736, "8B", NEMOTRON_REQUIRES
+            "Nemotron-H",
+            "nvidia/Nemotron-H-8B-Base-8K",
+            NEMOTRON_H_8B,
+            8_100_852_736,
+            "8B",
+            NEMOTRON_REQUIRES,
+            notes=NEMOTRON_NOTE,
+            checked=STORED_NEMOTRON,
         ),
         "granite_4_0_h_tiny": _published(
             "Granite 4.0",
@@ -303,6 +371,7 @@ def presets() -> dict[str, Preset]:
             GRANITE_REQUIRES,
             active=1_465_470_528,
             notes=GRANITE_NOTE,
+            checked=STORED_GRANITE,
         ),
         "qwen3_next_80b_a3b": _published(
             "Qwen3-Next",
@@ -313,6 +382,7 @@ def presets() -> dict[str, Preset]:
             QWEN_NEXT_REQUIRES,
             active=3_874_929_408,
             notes=QWEN_NEXT_NOTE,
+            checked=STORED_QWEN_NEXT,
         ),
         "falcon_h1_proxy_75m": _proxy(
             "Falcon-H1",

@@ -39,11 +39,12 @@ from blockzoo.api import (
     Distributed,
     Linear,
     Mixer,
-    NormalInitializationConfig,
     NormalizationConfig,
     TensorDim,
     gather_slices,
     get_registry,
+    linear_options,
+    scaled_lr,
 )
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import Segments, select_kernel
@@ -162,7 +163,7 @@ class Attention(Mixer):
     def __init__(
         self, config: AttentionConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         tensor_size = distributed.tensor_size
         groups = config.resolved_head_groups
@@ -186,12 +187,7 @@ class Attention(Mixer):
         )
         self._key_value_slices = key_value_dim.component_slices(tensor_size)
 
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_dim.global_size**-0.5)
         # PEFT defaults (LoRA's usual targets): query and value adapted, key and dense not.
         self.query = Linear(f"{name}.query", config.query, hidden_dim, heads_dim, default_peft=True, **linear)
         self.key_value = Linear(

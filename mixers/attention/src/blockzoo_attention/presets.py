@@ -136,10 +136,55 @@ MISTRAL_7B = {
 
 PROXY_NOTE = "Ours, not a published model: the family's architecture at a width and depth for one GPU. "
 
+# Stored copies of the published values (`checked_against`): where each was read, and what it confirms. Every
+# architecture key of each preset agrees with them.
+LLM_PROF = (
+    "github.com/citsjtu2020/LLM-Prof sglang/Model_Config.md@8434c8d1 (the config.json of {}, verbatim: every "
+    "architecture key)"
+)
+TORCHTUNE_QWEN3 = (
+    "github.com/pytorch/torchtune torchtune/models/qwen3/_model_builders.py@010412e0 (builders 'from "
+    "https://huggingface.co/Qwen/Qwen3-{}': layers, heads, KV heads, width, MLP width, vocabulary, 40960 positions, "
+    "RoPE base 1e6, eps 1e-6, tying)"
+)
+STORED = {
+    "llama3_2_1b": (
+        "github.com/kevinstephano/thunder_model_blocks hf_llama/llama_config.py (the config.json of "
+        "meta-llama/Llama-3.2-1B-Instruct, the same architecture: every architecture key)",
+        "github.com/Anthony-Lionetti/PyTorch-nn-Tinkering llama_play/configs.py (llama_3_2_1b: the config.json)",
+    ),
+    "llama3_2_3b": (
+        LLM_PROF.format("Llama-3.2-3B"),
+        "github.com/LocalResearchGroup/llm-foundry llmfoundry/models/llama/config.py (the meta-llama/Llama-3.2-3B "
+        "config: width, heads, KV heads, layers, MLP width, eps, vocabulary, positions, RoPE base, tying)",
+    ),
+    "llama3_1_8b": (
+        LLM_PROF.format("Llama-3.1-8B"),
+        "github.com/zyzshishui/slime scripts/models/llama3.1-8B.sh (Megatron arguments: layers, width, FFN, heads, "
+        "8 query groups, 131072 positions, eps, RoPE base 500000, vocabulary, RoPE scaling factor 8, untied)",
+    ),
+    "qwen3_0_6b": (
+        TORCHTUNE_QWEN3.format("0.6B"),
+        "github.com/Joinn99/GR config/modified_qwen3.py (Qwen/Qwen3-0.6B: head_dim 128, q/k norms, no biases)",
+    ),
+    "qwen3_1_7b": (TORCHTUNE_QWEN3.format("1.7B"),),
+    "qwen3_4b": (LLM_PROF.format("Qwen3-4B"), TORCHTUNE_QWEN3.format("4B")),
+    "qwen3_8b": (LLM_PROF.format("Qwen3-8B"), TORCHTUNE_QWEN3.format("8B")),
+    "mistral_7b": (
+        "a printout of transformers' MistralConfig loaded from mistralai/Mistral-7B-v0.1 (transformers 4.37.2: "
+        "every architecture key; in public notes on Mistral and Mixtral, found by exact-string search)",
+        "transformers 5.25 models/mistral/configuration_mistral.py (defaults documented as "
+        "mistralai/Mistral-7B-v0.1: widths, heads, KV heads, vocabulary, sliding_window 4096)",
+        "github.com/sumitdotml/transformers mistral-7b-v0.1/README.md (dim, layers, head_dim, hidden_dim, heads, "
+        "KV heads, window 4096, vocabulary)",
+    ),
+}
 
-def _published(family, repository, config, parameters, published, notes=""):
+
+def _published(name, family, repository, config, parameters, published, notes=""):
     notes = " ".join(filter(None, (notes, DEFAULTS_TAKEN)))
-    return Preset.published(family, repository, config, parameters, published, requires=REQUIRES, notes=notes)
+    fields = {"requires": REQUIRES, "notes": notes, "checked_against": STORED[name]}
+    return Preset.published(family, repository, config, parameters, published, **fields)
 
 
 def _proxy(family, base_name, base, parameters, **changes):
@@ -149,14 +194,21 @@ def _proxy(family, base_name, base, parameters, **changes):
 
 def presets() -> dict[str, Preset]:
     return {
-        "llama3_2_1b": _published("Llama 3", "meta-llama/Llama-3.2-1B", LLAMA_3_2_1B, 1_235_814_400, "1.23B"),
-        "llama3_2_3b": _published("Llama 3", "meta-llama/Llama-3.2-3B", LLAMA_3_2_3B, 3_212_749_824, "3.21B"),
-        "llama3_1_8b": _published("Llama 3", "meta-llama/Llama-3.1-8B", LLAMA_3_1_8B, 8_030_261_248, "8B"),
-        "qwen3_0_6b": _published("Qwen3", "Qwen/Qwen3-0.6B", QWEN_3_0_6B, 596_049_920, "0.6B"),
-        "qwen3_1_7b": _published("Qwen3", "Qwen/Qwen3-1.7B", QWEN_3_1_7B, 1_720_574_976, "1.7B"),
-        "qwen3_4b": _published("Qwen3", "Qwen/Qwen3-4B", QWEN_3_4B, 4_022_468_096, "4.0B"),
-        "qwen3_8b": _published("Qwen3", "Qwen/Qwen3-8B", QWEN_3_8B, 8_190_735_360, "8.2B"),
+        "llama3_2_1b": _published(
+            "llama3_2_1b", "Llama 3", "meta-llama/Llama-3.2-1B", LLAMA_3_2_1B, 1_235_814_400, "1.23B"
+        ),
+        "llama3_2_3b": _published(
+            "llama3_2_3b", "Llama 3", "meta-llama/Llama-3.2-3B", LLAMA_3_2_3B, 3_212_749_824, "3.21B"
+        ),
+        "llama3_1_8b": _published(
+            "llama3_1_8b", "Llama 3", "meta-llama/Llama-3.1-8B", LLAMA_3_1_8B, 8_030_261_248, "8B"
+        ),
+        "qwen3_0_6b": _published("qwen3_0_6b", "Qwen3", "Qwen/Qwen3-0.6B", QWEN_3_0_6B, 596_049_920, "0.6B"),
+        "qwen3_1_7b": _published("qwen3_1_7b", "Qwen3", "Qwen/Qwen3-1.7B", QWEN_3_1_7B, 1_720_574_976, "1.7B"),
+        "qwen3_4b": _published("qwen3_4b", "Qwen3", "Qwen/Qwen3-4B", QWEN_3_4B, 4_022_468_096, "4.0B"),
+        "qwen3_8b": _published("qwen3_8b", "Qwen3", "Qwen/Qwen3-8B", QWEN_3_8B, 8_190_735_360, "8.2B"),
         "mistral_7b": _published(
+            "mistral_7b",
             "Mistral",
             "mistralai/Mistral-7B-v0.1",
             MISTRAL_7B,

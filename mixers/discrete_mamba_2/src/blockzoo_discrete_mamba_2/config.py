@@ -13,17 +13,15 @@ from blockzoo.api import (
     SEQUENCE_DATA_PARALLEL,
     SEQUENCE_TENSOR_PARALLEL,
     TENSOR_PARALLEL,
-    ConfigFieldError,
     LinearConfig,
     MixerConfig,
     ParameterConfig,
     at_least,
-    check,
     check_fused_biases,
     configclass,
     field,
 )
-from blockzoo.ssm import ConvolutionConfig
+from blockzoo_ssm import ConvolutionConfig, check_groups_tensor_parallel, check_head_groups
 
 
 def _in_proj_doc(role: str) -> str:
@@ -97,18 +95,11 @@ class DiscreteMamba2Config(MixerConfig):
     )
 
     def __attrs_post_init__(self) -> None:
-        groups = self.resolved_groups
-        check(groups <= self.heads, "groups", f"must be <= heads ({self.heads}), got {groups}")
-        check(self.heads % groups == 0, "groups", f"must divide heads ({self.heads}), got {groups}")
+        check_head_groups(self.heads, self.resolved_groups)
         check_fused_biases({name: getattr(self, name) for name in self.IN_PROJ_COMPONENTS}, self.add_linear_biases)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
-        if self.resolved_groups % tensor_parallel:
-            raise ConfigFieldError(
-                "groups",
-                f"tensor_parallel={tensor_parallel} must divide groups ({self.resolved_groups}): heads and their "
-                "B/C groups are split between tensor-parallel ranks",
-            )
+        check_groups_tensor_parallel(self.resolved_groups, tensor_parallel)
 
     @property
     def resolved_groups(self) -> int:

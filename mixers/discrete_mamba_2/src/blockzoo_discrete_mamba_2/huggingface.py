@@ -8,12 +8,11 @@ layout gives the sections as `ssm_cfg.KEY`. Torch-free: the weight mappings use 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from blockzoo.api import (
     Computed,
-    ComputedWeights,
     ConversionError,
     Rename,
     Section,
@@ -21,6 +20,7 @@ from blockzoo.api import (
     WeightMapping,
 )
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+from blockzoo_ssm.conversion import convolution_weights
 
 _BIAS_FIELDS = (
     "add_linear_biases",
@@ -59,22 +59,10 @@ def _export_biases(config: DiscreteMamba2Config) -> dict[str, Any]:
     return {"ssm_cfg.bias": found["in_proj"]}
 
 
-def _conv_import(tensors: Sequence[Any]) -> list[Any]:
-    (tensor,) = tensors
-    if tensor.dim() != 3 or tensor.shape[1] != 1:
-        raise ConversionError(f"conv1d.weight of shape {list(tensor.shape)}: expected [channels, 1, kernel_size]")
-    return [tensor[:, 0]]
-
-
 def _weights(config: DiscreteMamba2Config) -> list[WeightMapping]:
     mappings: list[WeightMapping] = [
         Weight("in_proj.weight", "in_proj.weight"),  # the same rows: [x, B, C, z, dt]
-        ComputedWeights(
-            ("convolution.weight",),
-            ("conv1d.weight",),
-            import_=_conv_import,
-            export=lambda tensors: [tensors[0].unsqueeze(1).contiguous()],
-        ),
+        *convolution_weights(config.convolution),
         Weight("d", "D"),
         Weight("out_proj.weight", "out_proj.weight"),
     ]
@@ -82,8 +70,6 @@ def _weights(config: DiscreteMamba2Config) -> list[WeightMapping]:
         mappings.append(Weight("in_proj.bias", "in_proj.bias"))
     else:
         mappings.append(Weight("z_bias", "z_bias"))
-    if config.convolution.has_bias:
-        mappings.append(Weight("convolution.bias", "conv1d.bias"))
     if config.has_bias(config.out_proj):
         mappings.append(Weight("out_proj.bias", "out_proj.bias"))
     return mappings

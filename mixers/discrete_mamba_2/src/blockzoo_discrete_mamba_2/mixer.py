@@ -1,5 +1,5 @@
 """The discrete Mamba 2 mixer: fused in_proj, causal convolution over x‖B‖C, the SSD scan with A = -1 and an
-unscaled input, the D skip, the z gate and out_proj. The numerics are `blockzoo.ssm`'s.
+unscaled input, the D skip, the z gate and out_proj. The numerics are `blockzoo_ssm`'s.
 
 Tensor-parallel layout: the B/C groups are split between ranks, and with them their heads (head h uses group
 h // (heads / groups), so a rank's heads are those of its groups). in_proj is column-parallel, each of its five
@@ -18,34 +18,27 @@ from blockzoo.api import (
     ONES,
     ZEROS,
     Batch,
-    CompositeTensorDim,
     ConcatenatedTensorDim,
     Distributed,
     Linear,
     Mixer,
-    NormalInitializationConfig,
     TensorDim,
     UniformInitializationConfig,
     create_parameter,
+    linear_options,
+    scaled_lr,
 )
-from blockzoo.ssm import CausalConvolution, SSMCarry, ssd_scan, ssd_scan_slice
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+from blockzoo_ssm import CausalConvolution, GroupMajorDims, SSMCarry, SSMState, ssd_scan, ssd_scan_slice
 
 
-class DiscreteMamba2State:
-    """Per-sequence generation state (inference only, detached): the convolution's last kernel_size - 1 inputs
-    `conv` [sequences, channels, kernel_size - 1] and the SSM state `ssm` (fp32) [sequences, heads, head_size,
-    state_size], both of this rank's channels and heads."""
+class DiscreteMamba2State(SSMState):
+    """`SSMState` with the SSM state [sequences, heads, head_size, state_size], of this rank's heads."""
 
-    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor):
-        self.conv = conv
-        self.ssm = ssm
-
-    def check(self, batch: Batch) -> None:
-        if batch.past_lengths is None:
-            raise ValueError("discrete_mamba_2 with a generation state needs `batch.past_lengths`")
-        if batch.num_documents != len(self.ssm):
-            raise ValueError(f"the batch has {batch.num_documents} sequences but the state holds {len(self.ssm)}")
+    @property
+    def conv(self) -> torch.Tensor:
+        """The convolution's state under the name this state has always given it."""
+        return self.convolution
 
 
 class DiscreteMamba2(Mixer):
@@ -58,38 +51,25 @@ class DiscreteMamba2(Mixer):
         distributed: Distributed,
         lr_scale: float,
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         groups, tensor_size = config.resolved_groups, distributed.tensor_size
         if groups % tensor_size:
             raise ValueError(f"discrete_mamba_2 {name!r}: tensor_parallel={tensor_size} must divide groups ({groups})")
-        group_dim = TensorDim("groups", groups, parallel=True)
-        group_heads_dim = TensorDim("group_heads", config.heads // groups)
-        head_size_dim = TensorDim("head_size", config.head_size)
-        state_dim = TensorDim("state", config.state_size)
-
-        def inner(role: str) -> CompositeTensorDim:
-            return CompositeTensorDim(role, (group_dim, group_heads_dim, head_size_dim))
-
-        def group_state(role: str) -> CompositeTensorDim:
-            return CompositeTensorDim(role, (group_dim, state_dim))
-
-        heads_dim = CompositeTensorDim("heads", (group_dim, group_heads_dim))
+        dims = GroupMajorDims(
+            heads=config.heads, groups=groups, head_size=config.head_size, state_size=config.state_size
+        )
+        inner, heads_dim = dims.inner, dims.heads()
         # The reference's row order; x‖B‖C lead, so the convolution's input is one slice of in_proj's output.
         in_proj_dim = ConcatenatedTensorDim(
-            "in_proj", (inner("x"), group_state("b"), group_state("c"), inner("z"), heads_dim)
+            "in_proj", (inner("x"), dims.group_state("b"), dims.group_state("c"), inner("z"), heads_dim)
         )
         convolution_dim = ConcatenatedTensorDim("convolution", in_proj_dim.dims[:3])
         self._in_proj_slices = in_proj_dim.component_slices(tensor_size)
         self._local_heads = heads_dim.local_size(tensor_size)
-        self._local_groups = group_dim.local_size(tensor_size)
+        self._local_groups = dims.group.local_size(tensor_size)
 
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_dim.global_size**-0.5)
         in_proj_configs = [getattr(config, component) for component in config.IN_PROJ_COMPONENTS]
         self.in_proj = Linear(f"{name}.in_proj", in_proj_configs, hidden_dim, in_proj_dim, **linear)
         # The reference's conv bias keeps torch's Conv1d initialization, like its weight.
@@ -123,10 +103,10 @@ class DiscreteMamba2(Mixer):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: DiscreteMamba2State | None = None) -> torch.Tensor:
         if state is not None:
-            state.check(batch)
+            state.check(batch, f"discrete_mamba_2 {self.name!r}")
         projected = self.in_proj(hidden)  # Every token of the batch, this rank's rows.
         xbc = self.convolution(
-            self._xbc(projected), batch, activation=self._activation, state=None if state is None else state.conv
+            self._xbc(projected), batch, activation=self._activation, state=None if state is None else state.convolution
         )
         y = ssd_scan(
             *self._scan_inputs(projected, xbc),
@@ -141,9 +121,8 @@ class DiscreteMamba2(Mixer):
     def forward_slice(
         self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
     ) -> tuple[torch.Tensor, SSMCarry]:
-        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
-        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
-        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        """`Mixer.forward_slice` with an unscaled input: the convolution and the scan continue `previous`
+        (`blockzoo_ssm.slices`)."""
         previous_inputs, previous_state = (None, None) if previous is None else previous
         projected = self.in_proj(hidden)
         xbc, convolution = self.convolution.forward_slice(
@@ -189,10 +168,11 @@ class DiscreteMamba2(Mixer):
     def new_state(
         self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype
     ) -> DiscreteMamba2State:
-        channels = self.convolution.weight.shape[0]
-        conv = torch.zeros(num_sequences, channels, self.convolution.kernel_size - 1, device=device, dtype=dtype)
         shape = (num_sequences, self._local_heads, self.config.head_size, self.config.state_size)
-        return DiscreteMamba2State(conv, torch.zeros(shape, device=device, dtype=torch.float32))
+        return DiscreteMamba2State(
+            self.convolution.new_state(num_sequences, device, dtype),
+            torch.zeros(shape, device=device, dtype=torch.float32),
+        )
 
     def flops(self, batch: Batch) -> tuple[int, int]:
         tokens = batch.num_tokens

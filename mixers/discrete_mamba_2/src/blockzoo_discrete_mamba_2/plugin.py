@@ -28,14 +28,7 @@ def register_converters(register) -> None:
 
 @hookimpl
 def check_environment() -> list[str]:
-    """On CUDA without mamba_ssm the scan runs on the (much slower) torch path: say so."""
-    import torch
+    """On CUDA without mamba_ssm the scan runs on the much slower torch path: say so."""
+    from blockzoo_ssm import missing_kernels_advice
 
-    from blockzoo.ssm import mamba_ssm_available
-
-    if torch.cuda.is_available() and not mamba_ssm_available():
-        return [
-            "CUDA is present but mamba_ssm does not import: the SSD scan runs on the torch path "
-            "(install blockzoo-discrete-mamba-2[kernels] for its Triton kernels)"
-        ]
-    return []
+    return missing_kernels_advice("blockzoo-discrete-mamba-2")

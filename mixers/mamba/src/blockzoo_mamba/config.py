@@ -31,7 +31,7 @@ from blockzoo.api import (
     field,
     greater_than,
 )
-from blockzoo.ssm import ConvolutionConfig
+from blockzoo_ssm import ConvolutionConfig
 
 # The components of the fused input projection `in_proj`, in the row order of the checkpoints each layout matches.
 STANDARD_IN_PROJ = ("x", "z")  # mamba_ssm / HF: `x, z = in_proj(hidden).chunk(2)`

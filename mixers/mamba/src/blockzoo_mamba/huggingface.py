@@ -13,7 +13,7 @@ Torch-free: the weight mappings use torch only when they run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from blockzoo.api import (
@@ -31,8 +31,9 @@ from blockzoo.api import (
     Weight,
     WeightMapping,
 )
-from blockzoo.ssm import DtBiasInitializationConfig
 from blockzoo_mamba.config import DEFAULT_EXPAND, MambaConfig
+from blockzoo_ssm import DtBiasInitializationConfig
+from blockzoo_ssm.conversion import convolution_weights
 
 _BIAS_FIELDS = (
     "add_linear_biases",
@@ -157,28 +158,13 @@ SCAN_PATH = Ignored(
 # Weight mappings
 
 
-def _conv_import(tensors: Sequence[Any]) -> list[Any]:
-    (tensor,) = tensors
-    if tensor.dim() != 3 or tensor.shape[1] != 1:
-        raise ConversionError(f"conv1d.weight of shape {list(tensor.shape)}: expected [channels, 1, kernel_size]")
-    return [tensor[:, 0]]
-
-
-CONV_WEIGHT = ComputedWeights(
-    ("convolution.weight",),
-    ("conv1d.weight",),
-    import_=_conv_import,
-    export=lambda tensors: [tensors[0].unsqueeze(1).contiguous()],
-)
-
-
 def _weights(dt_bias: WeightMapping) -> Callable[[MambaConfig], list[WeightMapping | Nested]]:
     """The mixer's tensors (Hugging Face names); `dt_bias`: how `dt_bias` is stored."""
 
     def weights(config: MambaConfig) -> list[WeightMapping | Nested]:
         mappings: list[WeightMapping | Nested] = [
             Weight("in_proj.weight", "in_proj.weight"),  # the same rows: [x; z], or grouped [z; x; B; C]
-            CONV_WEIGHT,
+            *convolution_weights(config.convolution),
             Weight("dt_proj.weight", "dt_proj.weight"),
             dt_bias,
             Weight("a_log", "A_log"),
@@ -193,8 +179,6 @@ def _weights(dt_bias: WeightMapping) -> Callable[[MambaConfig], list[WeightMappi
             mappings.append(Weight("x_proj.weight", "x_proj.weight"))
         if config.has_bias(config.z):
             mappings.append(Weight("in_proj.bias", "in_proj.bias"))
-        if config.convolution.has_bias:
-            mappings.append(Weight("convolution.bias", "conv1d.bias"))
         if config.has_bias(config.out_proj):
             mappings.append(Weight("out_proj.bias", "out_proj.bias"))
         for norm, name in zip(_NORMS, ("dt_layernorm", "b_layernorm", "c_layernorm")):

@@ -1,5 +1,5 @@
 """The Mamba 1 mixer over packed documents: in_proj, causal convolution, time step, B and C, the selective scan
-(`blockzoo.ssm.selective_scan`), the D skip, the z gate and out_proj. Both layouts of `MambaConfig`.
+(`blockzoo_ssm.selective_scan`), the D skip, the z gate and out_proj. Both layouts of `MambaConfig`.
 
 Tensor-parallel layout: the inner channels are split (grouped layout: whole heads of state_size channels, the x/B
 heads with the C heads they serve). in_proj and dt_proj are column-parallel, out_proj row-parallel; the
@@ -31,7 +31,6 @@ from blockzoo.api import (
     InitializationConfig,
     Linear,
     Mixer,
-    NormalInitializationConfig,
     NormalizationConfig,
     TensorDim,
     UniformInitializationConfig,
@@ -39,32 +38,30 @@ from blockzoo.api import (
     create_parameter,
     gather_tokens,
     get_registry,
+    linear_options,
+    scaled_lr,
 )
-from blockzoo.ssm import (
+from blockzoo_mamba.config import MambaConfig
+from blockzoo_ssm import (
     ALogStateInitializationConfig,
     CausalConvolution,
     DtBiasInitializationConfig,
     SSMCarry,
+    SSMState,
     selective_scan,
     selective_scan_slice,
 )
-from blockzoo_mamba.config import MambaConfig
 
 
-class MambaState:
-    """One layer's generation state for each sequence: the convolution's last inputs
-    `[sequences, channels, kernel_size - 1]` and the scan's state `[sequences, inner, state]` (fp32). Detached."""
-
-    def __init__(self, convolution: torch.Tensor, ssm: torch.Tensor):
-        self.convolution = convolution
-        self.ssm = ssm
+class MambaState(SSMState):
+    """`SSMState` with the scan's state `[sequences, inner, state]`."""
 
 
 class Mamba(Mixer):
     def __init__(
         self, config: MambaConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         hidden_size, tensor_size = hidden_dim.global_size, distributed.tensor_size
         try:
@@ -98,12 +95,7 @@ class Mamba(Mixer):
         in_proj_dim = ConcatenatedTensorDim("in_proj", [in_proj_dims[part] for part in config.in_proj_components])
         self._in_proj_slices = dict(zip(config.in_proj_components, in_proj_dim.component_slices(tensor_size)))
 
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_size**-0.5)
         components = [getattr(config, component) for component in config.in_proj_components]
         self.in_proj = Linear(f"{name}.in_proj", components, hidden_dim, in_proj_dim, **linear)
         self.convolution = CausalConvolution(
@@ -172,7 +164,7 @@ class Mamba(Mixer):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: MambaState | None = None) -> torch.Tensor:
         if state is not None:
-            self._check_state(state, batch)
+            state.check(batch, f"mamba {self.name!r}")
         convolution_state = None if state is None else state.convolution
 
         def convolve(x: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -185,9 +177,7 @@ class Mamba(Mixer):
     def forward_slice(
         self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
     ) -> tuple[torch.Tensor, SSMCarry]:
-        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
-        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
-        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        """`Mixer.forward_slice`: the convolution and the selective scan continue `previous` (`blockzoo_ssm.slices`)."""
         previous_inputs, previous_state = (None, None) if previous is None else previous
 
         def convolve(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,28 +249,11 @@ class Mamba(Mixer):
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> MambaState:
         """The state does not grow with the sequence: `max_length` is not needed."""
-        tensor_size = self.distributed.tensor_size
-        channels = self._convolution_dim.local_size(tensor_size)
-        kernel_size = self.config.convolution.kernel_size
+        shape = (num_sequences, self._inner_dim.local_size(self.distributed.tensor_size), self.config.state_size)
         return MambaState(
-            torch.zeros(num_sequences, channels, kernel_size - 1, device=device, dtype=dtype),
-            torch.zeros(
-                num_sequences,
-                self._inner_dim.local_size(tensor_size),
-                self.config.state_size,
-                device=device,
-                dtype=torch.float32,
-            ),
+            self.convolution.new_state(num_sequences, device, dtype),
+            torch.zeros(shape, device=device, dtype=torch.float32),
         )
-
-    def _check_state(self, state: MambaState, batch: Batch) -> None:
-        if batch.past_lengths is None:
-            raise ValueError(f"mamba {self.name!r}: a generation state needs `batch.past_lengths`")
-        if batch.num_documents != state.ssm.shape[0]:
-            raise ValueError(
-                f"mamba {self.name!r}: the batch has {batch.num_documents} sequences but the state holds "
-                f"{state.ssm.shape[0]}"
-            )
 
     # -- compute -------------------------------------------------------------------------------------------------------
 

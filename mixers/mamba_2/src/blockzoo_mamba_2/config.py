@@ -25,7 +25,7 @@ from blockzoo.api import (
     configclass,
     field,
 )
-from blockzoo.ssm import ConvolutionConfig
+from blockzoo_ssm import ConvolutionConfig, check_groups_tensor_parallel, check_head_groups
 
 # The components of the fused input projection, in mamba_ssm's (and HF's) row order.
 IN_PROJ_COMPONENTS = ("z", "x", "b", "c", "dt")
@@ -114,7 +114,7 @@ class Mamba2Config(MixerConfig):
         True,
         doc="Training on the GPU kernels (mamba_ssm's SSD kernels): keep the convolution's input (in_proj's output, "
         "kept anyway) instead of its output for the backward pass, which runs the convolution again "
-        "(`blockzoo.ssm.convolved_ssd_scan`; mamba_ssm's fused layer does the same). Saves a [tokens, x+B+C] "
+        "(`blockzoo_ssm.convolved_ssd_scan`; mamba_ssm's fused layer does the same). Saves a [tokens, x+B+C] "
         "tensor per layer (the Mamba 2 LM 1.3B at 16384 tokens: 6.2 GiB, its step no slower on an H200); elsewhere "
         "no effect. False: the convolution's output is kept.",
     )
@@ -160,8 +160,7 @@ class Mamba2Config(MixerConfig):
     )
 
     def __attrs_post_init__(self) -> None:
-        check(self.groups <= self.heads, "groups", f"must be <= heads ({self.heads}), got {self.groups}")
-        check(self.heads % self.groups == 0, "groups", f"must divide heads ({self.heads}), got {self.groups}")
+        check_head_groups(self.heads, self.groups)
         for name in self.in_proj_multipliers:
             check(
                 name in IN_PROJ_COMPONENTS,
@@ -173,12 +172,7 @@ class Mamba2Config(MixerConfig):
         check_fused_biases({name: getattr(self, name) for name in IN_PROJ_COMPONENTS}, self.add_linear_biases)
 
     def check_tensor_parallel(self, tensor_parallel: int) -> None:
-        if self.groups % tensor_parallel:
-            raise ConfigFieldError(
-                "groups",
-                f"tensor_parallel={tensor_parallel} must divide groups ({self.groups}): heads are split between "
-                "ranks with their B/C groups (raise groups, as mamba_ssm requires too)",
-            )
+        check_groups_tensor_parallel(self.groups, tensor_parallel)
         # Without a norm there are no statistics to split.
         if tensor_parallel > 1 and self.normalization.enabled and not self.normalization.per_group:
             raise ConfigFieldError(

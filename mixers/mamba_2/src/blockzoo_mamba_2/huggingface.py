@@ -22,7 +22,6 @@ from typing import Any
 
 from blockzoo.api import (
     Computed,
-    ComputedWeights,
     ConfigMapping,
     Constant,
     ConversionError,
@@ -34,6 +33,7 @@ from blockzoo.api import (
     WeightMapping,
 )
 from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, Mamba2Config
+from blockzoo_ssm.conversion import convolution_weights
 
 # transformers 5 writes the floats JSON lacks as {"__float__": "Infinity"} (4.x as a bare `Infinity`).
 _FLOAT_TAG = "__float__"
@@ -173,20 +173,10 @@ def _grouped_norm(per_group: bool | None) -> ConfigMapping:
     return Computed(("normalization.per_group",), (), import_=import_, export=export)
 
 
-def _convolution_weight() -> WeightMapping:
-    # The depthwise filters: [channels, kernel_size] here, Conv1d's [channels, 1, kernel_size] there.
-    return ComputedWeights(
-        ("convolution.weight",),
-        ("conv1d.weight",),
-        import_=lambda tensors: [tensors[0].squeeze(1)],
-        export=lambda tensors: [tensors[0].unsqueeze(1)],
-    )
-
-
 def _weights(config: Mamba2Config) -> list[WeightMapping]:
     mappings: list[WeightMapping] = [
         Weight("in_proj.weight", "in_proj.weight"),
-        _convolution_weight(),
+        *convolution_weights(config.convolution),
         Weight("dt_bias", "dt_bias"),
         Weight("a_log", "A_log"),
         Weight("d", "D"),
@@ -196,8 +186,6 @@ def _weights(config: Mamba2Config) -> list[WeightMapping]:
         mappings.append(Weight("normalization.weight", "norm.weight"))
     if config.has_bias(config.z):
         mappings.append(Weight("in_proj.bias", "in_proj.bias"))
-    if config.convolution.has_bias:
-        mappings.append(Weight("convolution.bias", "conv1d.bias"))
     if config.has_bias(config.out_proj):
         mappings.append(Weight("out_proj.bias", "out_proj.bias"))
     return mappings

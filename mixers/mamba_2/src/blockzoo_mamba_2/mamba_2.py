@@ -4,7 +4,7 @@ in_proj → [z, x, B, C, dt]; causal depthwise convolution + silu over x‖B‖C
 y = SSD scan of x with A = -exp(A_log), B, C; y += D·x; y = RMSNorm(y · silu(z)) · weight; out_proj(y).
 The output norm has two variants (`GatedNormalizationConfig`): RMSNorm(y) · weight · silu(z) (`norm_before_gate`) and
 none, y · silu(z) (`enabled: false`, no weight).
-The numerics (convolution, scan, gated norm) are `blockzoo.ssm`'s; this module holds the parameters and the layout.
+The numerics (convolution, scan, gated norm) are `blockzoo_ssm`'s; this module holds the parameters and the layout.
 
 Tensor-parallel layout: heads are laid out group-major (head h reads B/C group h // (heads / groups)), so splitting
 the groups between ranks gives each rank whole groups and their heads. Each in_proj component (z, x, B, C, dt) is
@@ -23,38 +23,35 @@ from blockzoo.api import (
     ONES,
     ZEROS,
     Batch,
-    CompositeTensorDim,
     ConcatenatedTensorDim,
     Distributed,
     InitializationConfig,
     Linear,
     Mixer,
-    NormalInitializationConfig,
     ParameterConfig,
     TensorDim,
     create_parameter,
+    linear_options,
+    scaled_lr,
 )
-from blockzoo.ssm import (
+from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, GatedNormalizationConfig, Mamba2Config
+from blockzoo_ssm import (
     ALogRangeInitializationConfig,
     CausalConvolution,
     DtBiasInitializationConfig,
+    GroupMajorDims,
     ScanLayout,
     SSMCarry,
+    SSMState,
     convolved_ssd_scan,
     gated_rms_norm,
     ssd_scan,
     ssd_scan_slice,
 )
-from blockzoo_mamba_2.config import IN_PROJ_COMPONENTS, GatedNormalizationConfig, Mamba2Config
 
 
-class Mamba2State:
-    """What generation keeps per sequence: the convolution's last kernel_size - 1 inputs `[sequences, channels,
-    kernel_size - 1]` and the SSM state `[sequences, heads, head_size, state_size]` (fp32). Updated in place."""
-
-    def __init__(self, convolution: torch.Tensor, ssm: torch.Tensor):
-        self.convolution = convolution
-        self.ssm = ssm
+class Mamba2State(SSMState):
+    """`SSMState` with the SSM state `[sequences, heads, head_size, state_size]`."""
 
 
 class GatedRMSNorm(nn.Module):
@@ -72,7 +69,7 @@ class GatedRMSNorm(nn.Module):
         lr_scale: float,
     ):
         super().__init__()
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         self.epsilon = config.epsilon
         self.group_size = group_size
         self.norm_before_gate = config.norm_before_gate
@@ -94,28 +91,20 @@ class Mamba2(Mixer):
     def __init__(
         self, config: Mamba2Config, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale *= 1.0 if config.lr_scale is None else config.lr_scale
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         # Group-major dims: splitting the groups splits the heads, their channels and their B/C alike.
-        group_dim = TensorDim("groups", config.groups, parallel=True)
-        group_heads_dim = TensorDim("group_heads", config.heads // config.groups)
-        head_size_dim = TensorDim("head_size", config.head_size)
-        state_dim = TensorDim("state", config.state_size)
-
-        def inner(role: str) -> CompositeTensorDim:
-            return CompositeTensorDim(role, (group_dim, group_heads_dim, head_size_dim))
-
-        def per_group_state(role: str) -> CompositeTensorDim:
-            return CompositeTensorDim(role, (group_dim, state_dim))
-
-        heads_dim = CompositeTensorDim("heads", (group_dim, group_heads_dim))
-        inner_dim = inner("inner")
+        dims = GroupMajorDims(
+            heads=config.heads, groups=config.groups, head_size=config.head_size, state_size=config.state_size
+        )
+        heads_dim = dims.heads()
+        inner_dim = dims.inner("inner")
         in_proj_dims = {
-            "z": inner("z"),
-            "x": inner("x"),
-            "b": per_group_state("b"),
-            "c": per_group_state("c"),
-            "dt": CompositeTensorDim("dt", (group_dim, group_heads_dim)),
+            "z": dims.inner("z"),
+            "x": dims.inner("x"),
+            "b": dims.group_state("b"),
+            "c": dims.group_state("c"),
+            "dt": dims.heads("dt"),
         }
         in_proj_dim = ConcatenatedTensorDim("in_proj", [in_proj_dims[role] for role in IN_PROJ_COMPONENTS])
         convolution_dim = ConcatenatedTensorDim("convolution", [in_proj_dims[role] for role in ("x", "b", "c")])
@@ -129,12 +118,7 @@ class Mamba2(Mixer):
         xbc_sizes = tuple(dim.local_size(tensor_size) for dim in convolution_dim.dims)
         self._layout = ScanLayout(xbc_sizes, config.head_size, config.state_size)  # x‖B‖C → the scan's x, B, C
 
-        linear = {
-            "distributed": distributed,
-            "default_initialization": NormalInitializationConfig(std=hidden_dim.global_size**-0.5),
-            "default_bias": config.add_linear_biases,
-            "lr_scale": lr_scale,
-        }
+        linear = linear_options(config, distributed, lr_scale, std=hidden_dim.global_size**-0.5)
         self.in_proj = Linear(
             f"{name}.in_proj", [getattr(config, role) for role in IN_PROJ_COMPONENTS], hidden_dim, in_proj_dim, **linear
         )
@@ -172,7 +156,7 @@ class Mamba2(Mixer):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Mamba2State | None = None) -> torch.Tensor:
         if state is not None:
-            self._check_state(state, batch)
+            state.check(batch, f"mamba_2 {self.name!r}")
         z, xbc, dt = self._project(hidden)
         if state is None and self.config.recompute_convolution:
             weight, bias = self.convolution.weight, self.convolution.bias
@@ -187,9 +171,7 @@ class Mamba2(Mixer):
     def forward_slice(
         self, hidden: torch.Tensor, batch: Batch, previous: SSMCarry | None
     ) -> tuple[torch.Tensor, SSMCarry]:
-        """One slice of longer sequences (see `Mixer.forward_slice`): the convolution reads the inputs before the
-        slice and the scan starts from the state before it (`blockzoo.ssm`'s slice functions, which exchange them
-        over the sequence-data group); the carry holds the convolution's last inputs and the state after it."""
+        """`Mixer.forward_slice`: the convolution and the SSD scan continue `previous` (`blockzoo_ssm.slices`)."""
         previous_inputs, previous_state = (None, None) if previous is None else previous
         z, xbc, dt = self._project(hidden)
         xbc, convolution = self.convolution.forward_slice(xbc, batch, previous_inputs, activation="silu")
@@ -232,20 +214,12 @@ class Mamba2(Mixer):
             "dt_limit": config.dt_limit,
         }
 
-    def _check_state(self, state: Mamba2State, batch: Batch) -> None:
-        if batch.past_lengths is None:
-            raise ValueError("mamba_2 with a generation state needs `batch.past_lengths`")
-        if batch.num_documents != len(state.ssm):
-            raise ValueError(f"the batch has {batch.num_documents} sequences but the state holds {len(state.ssm)}")
-
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> Mamba2State:
         """Zero states (`max_length` is not needed: the state does not grow with the sequence)."""
-        channels, kernel_size = self.convolution.weight.shape
-        heads = len(self.dt_bias)
-        config = self.config
+        shape = (num_sequences, len(self.dt_bias), self.config.head_size, self.config.state_size)
         return Mamba2State(
-            torch.zeros(num_sequences, channels, kernel_size - 1, device=device, dtype=dtype),
-            torch.zeros(num_sequences, heads, config.head_size, config.state_size, device=device, dtype=torch.float32),
+            self.convolution.new_state(num_sequences, device, dtype),
+            torch.zeros(shape, device=device, dtype=torch.float32),
         )
 
     def flops(self, batch: Batch) -> tuple[int, int]:

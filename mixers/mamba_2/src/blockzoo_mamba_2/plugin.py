@@ -23,17 +23,10 @@ def register_mixers(register) -> None:
 
 @hookimpl
 def check_environment() -> list[str]:
-    """On a CUDA machine without mamba_ssm the scan still runs, on the much slower torch path: say so."""
-    import torch
+    """On CUDA without mamba_ssm the scan runs on the much slower torch path: say so."""
+    from blockzoo_ssm import missing_kernels_advice
 
-    from blockzoo.ssm import mamba_ssm_available
-
-    if torch.cuda.is_available() and not mamba_ssm_available():
-        return [
-            "CUDA is available but mamba_ssm is not importable: the SSD scan takes the slow torch path "
-            "(install the `kernels` extra: pip install 'blockzoo-mamba-2[kernels]')"
-        ]
-    return []
+    return missing_kernels_advice("blockzoo-mamba-2")
 
 
 @hookimpl

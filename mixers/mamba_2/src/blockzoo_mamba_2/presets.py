@@ -43,6 +43,17 @@ def mamba2_config(d_model: int, n_layer: int) -> dict:
     }
 
 
+# Stored copies of the published values (`checked_against`): where each was read, and what it confirms.
+STORED = (
+    "github.com/state-spaces/mamba README.md@25c9b9a7 (the pretrained mamba2-130m ... mamba2-2.7b follow the GPT-3 "
+    "dimensions: 24 layers of 768, 48 of 1024, 48 of 1536, 48 of 2048, 64 of 2560)",
+    "github.com/state-spaces/mamba mamba_ssm/modules/mamba2.py@8ffd905c (Mamba2 defaults: d_state 128, d_conv 4, "
+    "expand 2, headdim 64, ngroups 1, rmsnorm, norm_before_gate False, no bias, conv bias, chunk_size 256)",
+    "a checkpoint-preparation test on the official state-spaces config.json (d_model 768, n_layer 24, vocab_size "
+    "50277, pad_vocab_size_multiple 16, ssm_cfg layer Mamba2 -> vocabulary 50288, 24 heads of 64, state 128); "
+    "found by exact-string search",
+)
+
 # name: (d_model, n_layer, parameters, published)
 SIZES = {
     "mamba2_130m": (768, 24, 128_989_632, "130M"),
@@ -64,6 +75,7 @@ def presets() -> dict[str, Preset]:
             source=f"https://huggingface.co/state-spaces/{repository}/blob/main/config.json",
             requires=REQUIRES,
             notes=NOTE,
+            checked_against=STORED,
         )
         for name, (d_model, n_layer, parameters, published) in SIZES.items()
         for repository in [name.replace("_", "-", 1).replace("_", ".")]

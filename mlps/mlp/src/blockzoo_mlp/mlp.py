@@ -22,6 +22,7 @@ from blockzoo.api import (
     Linear,
     NormalInitializationConfig,
     TensorDim,
+    scaled_lr,
 )
 from blockzoo_mlp.config import DenseMLPConfig
 
@@ -30,7 +31,7 @@ class DenseMLP(MLP):
     def __init__(
         self, config: DenseMLPConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale = lr_scale * (1.0 if config.lr_scale is None else config.lr_scale)
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         self._activation = ACTIVATIONS[config.activation]
         self._tensor_size = distributed.tensor_size

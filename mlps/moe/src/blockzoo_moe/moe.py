@@ -57,6 +57,7 @@ from blockzoo.api import (
     copy_to_tensor_region,
     create_parameter,
     reduce_from_tensor_region,
+    scaled_lr,
 )
 from blockzoo_moe.config import MoEMLPConfig
 
@@ -221,7 +222,7 @@ class MoEMLP(MLP):
     def __init__(
         self, config: MoEMLPConfig, *, name: str, hidden_dim: TensorDim, distributed: Distributed, lr_scale: float
     ):
-        lr_scale = lr_scale * (1.0 if config.lr_scale is None else config.lr_scale)
+        lr_scale = scaled_lr(lr_scale, config.lr_scale)
         super().__init__(config, name=name, hidden_dim=hidden_dim, distributed=distributed, lr_scale=lr_scale)
         try:
             config.check_expert_parallel(distributed.data_size, distributed.tensor_size)

@@ -114,9 +114,34 @@ DEEPSEEK_NOTE = (
 )
 
 
-def _published(family, repository, config, parameters, active, published, *, requires=REQUIRES, notes=""):
+# Stored copies of the published values (`checked_against`): where each was read, and what it confirms. Every
+# architecture key of each preset agrees with them.
+STORED_MIXTRAL = (
+    "github.com/AI-Hypercomputer/torchprime torchprime/torch_xla_models/configs/model/mixtral-8x7b.yaml@1504a885 "
+    "(tokenizer mistralai/Mixtral-8x7B-v0.1: width, MLP width, 32768 positions, heads, 8 experts / 2 per token, "
+    "layers, KV heads, eps 1e-5, RoPE base 1e6, router_aux_loss_coef 0.02, vocabulary)",
+    "github.com/Azure/azureml-assets assets/models/system/mistralai-Mixtral-8x7B-Instruct-v01/description.md "
+    "(46.7B parameters, 12.9B per token)",
+)
+STORED_QWEN_3_30B_A3B = (
+    "github.com/citsjtu2020/LLM-Prof sglang/Model_Config.md@8434c8d1 (the config.json of Qwen3-30B-A3B, verbatim: "
+    "every architecture key)",
+)
+STORED_DEEPSEEK = (
+    "the config.json of deepseek-ai/DeepSeek-V3 quoted in full in a vLLM-on-Ascend bug report (every key, among "
+    "them the yarn rope_scaling, 163840 positions, scoring_func sigmoid, topk_method noaux_tc, "
+    "num_nextn_predict_layers 1); found by exact-string search, repository not named there",
+    "github.com/AI-Hypercomputer/torchprime torchprime/torch_xla_models/configs/model/deepseek-v3.yaml@5462afe8 "
+    "(widths, 61 layers, heads, experts, routing groups, MLA ranks and head sizes; its positions and RoPE are not "
+    "the published ones)",
+    "github.com/deepseek-ai/DeepSeek-V3 README_WEIGHTS.md@0b39205a (671B main-model parameters in 61 layers, the "
+    "MTP module counted apart)",
+)
+
+
+def _published(family, repository, config, parameters, active, published, *, requires=REQUIRES, notes="", checked):
     notes = " ".join(filter(None, (notes, DEFAULTS_TAKEN)))
-    fields = {"requires": requires, "active_parameters": active, "notes": notes}
+    fields = {"requires": requires, "active_parameters": active, "notes": notes, "checked_against": checked}
     return Preset.published(family, repository, config, parameters, published, **fields)
 
 
@@ -137,9 +162,16 @@ def presets() -> dict[str, Preset]:
             46_702_792_704,
             12_879_925_248,
             "46.7B (12.9B active)",
+            checked=STORED_MIXTRAL,
         ),
         "qwen3_30b_a3b": _published(
-            "Qwen3", "Qwen/Qwen3-30B-A3B", QWEN_3_30B_A3B, 30_532_122_624, 3_353_032_704, "30.5B (3.3B active)"
+            "Qwen3",
+            "Qwen/Qwen3-30B-A3B",
+            QWEN_3_30B_A3B,
+            30_532_122_624,
+            3_353_032_704,
+            "30.5B (3.3B active)",
+            checked=STORED_QWEN_3_30B_A3B,
         ),
         "deepseek_v3": _published(
             "DeepSeek-V3",
@@ -150,6 +182,7 @@ def presets() -> dict[str, Preset]:
             "671B (37B active)",
             requires=MLA_REQUIRES,
             notes=DEEPSEEK_NOTE,
+            checked=STORED_DEEPSEEK,
         ),
         "mixtral_proxy_520m": _proxy(
             "Mixtral",
