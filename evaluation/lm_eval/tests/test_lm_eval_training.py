@@ -30,17 +30,20 @@ MODEL = {
 }
 
 
-def run_config(output_dir, task_dir, harness: bool = True, **distributed) -> RunConfig:
+def run_config(
+    output_dir, task_dir, harness: bool = True, num_blocks: int = 1, gradient_accumulation: int = 1, **distributed
+) -> RunConfig:
     evaluation = {"harness": {"tasks": [MC_TASK, PERPLEXITY_TASK], "interval": 2, "limit": 4}} if harness else {}
     if harness:
         evaluation["harness"]["task_paths"] = [str(task_dir)]
     return structure(
         {
-            "model": MODEL,
+            "model": {**MODEL, "decoder": {**MODEL["decoder"], "num_blocks": num_blocks}},
             "data": {"type": "embedded", "sequence_length": 32, "micro_batch_size": 2},
             "distributed": distributed,
             "training": {
                 "train_iters": 3,
+                "gradient_accumulation": gradient_accumulation,
                 "log_interval": 1,
                 "checkpoint_interval": 2,
                 "checkpoint_keep": 5,

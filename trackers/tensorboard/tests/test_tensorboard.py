@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from blockzoo.config import to_dict
-from blockzoo.testing.tracking import (
+from blockzoo_testing.tracking import (
     DETERMINISTIC,
     logged_figures,
     straight_and_resumed,

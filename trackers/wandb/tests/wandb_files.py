@@ -83,7 +83,7 @@ def run_info(path: Path) -> dict[str, Any]:
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            info["run_id"], info["project"] = record.run.run_id, record.run.project
+            info["run_id"], info["project"], info["notes"] = record.run.run_id, record.run.project, record.run.notes
             info["config"] = {_key(item): json.loads(item.value_json) for item in record.run.config.update}
         elif kind == "config":
             info["config"].update({_key(item): json.loads(item.value_json) for item in record.config.update})

@@ -11,7 +11,8 @@ added special tokens, as lm-eval's Hugging Face backend does by default. Generat
 Layouts: `rank` / `world_size` are the data-parallel rank and size, so lm-eval gives each data rank its share of the
 documents and gathers the scores over the data group; the tensor-parallel (and sequence-data) ranks of one data rank
 run the same requests. Under sequence-tensor parallelism a batch's tokens are padded to a multiple of the tensor
-ranks with a filler document."""
+ranks with a filler document. Under pipeline parallelism the model given is a `PipelinedModel`: the same calls, run
+through the stages, by every pipeline rank of a data rank alike."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Benchmark type `lm_eval`: lm-evaluation-harness's `simple_evaluate` on the model in memory, through
 `BlockzooLM`. Data-parallel ranks each score a share of the documents (lm-eval's own rank / world_size split, over
-the data ranks); tensor-parallel ranks score the same ones; rank 0 gets the results."""
+the data ranks); tensor- and pipeline-parallel ranks score the same ones; rank 0 gets the results."""
 
 from __future__ import annotations
 

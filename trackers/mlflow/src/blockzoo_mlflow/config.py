@@ -8,7 +8,8 @@ from blockzoo.api import TrackerConfig, at_least, configclass, field
 @configclass
 class MLflowTrackerConfig(TrackerConfig):
     """Every logged figure as an MLflow metric at its step, the run config as parameters, the end as the run's status.
-    A resumed run continues the same MLflow run (its id is kept in `<output_dir>/trackers/<name>.json`)."""
+    A resumed run continues the same MLflow run (its id is kept in `<output_dir>/trackers/<name>.json`), or a new one
+    superseding it when an earlier process had sent steps past the checkpoint (docs/tracking.md)."""
 
     tracking_uri: str | None = field(
         None,
@@ -22,4 +23,9 @@ class MLflowTrackerConfig(TrackerConfig):
         doc="Figures are sent in batches, at most this long after they were logged (and at the run's end): a call per "
         "logged step costs milliseconds of the training process's CPU. 0: every logged step at once.",
         validator=at_least(0),
+    )
+    separate_process: bool = field(
+        True,
+        doc="Run the tracker in a child process of its own (the default here): its library's work never holds the "
+        "training loop's interpreter. false: on a thread of the training process.",
     )

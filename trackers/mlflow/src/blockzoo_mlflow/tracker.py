@@ -1,5 +1,13 @@
 """The MLflow tracker, through `mlflow.MlflowClient` (no global active run: several trackers and runs in one process
-do not interfere)."""
+do not interfere).
+
+A resumed run continues the MLflow run of the run's record (`TrackerRunFile`), unless an earlier process sent it steps
+past the checkpoint the run resumes from: MLflow keeps every metric point it was sent and has no API to delete one, so
+the resumed run's figures of those steps would sit beside the old ones. The tracker then makes a new MLflow run (same
+name and parameters), copies into it the old run's points up to the checkpoint, tags both
+(`blockzoo.supersedes` / `blockzoo.superseded_by`), ends the old one as KILLED and deletes it (MLflow's soft delete:
+hidden from the experiment's runs, `mlflow runs restore` brings it back), and goes on in the new one: it holds every
+step once, with the resumed run's figures."""
 
 from __future__ import annotations
 
@@ -29,6 +37,8 @@ class MLflowTracker(Tracker):
         if self.run_id is None:
             self.run_id = self._new_run(run)
         self.last_step = max(self.record.last_step, self._last_logged_step())
+        if self.last_step > run.start_step:  # an earlier process went past the checkpoint
+            self._supersede(run)
         self.pending: list[Any] = []  # metrics not sent yet (see `log`)
         self.sent_at = time.monotonic()
 
@@ -61,14 +71,34 @@ class MLflowTracker(Tracker):
         self.client.set_tag(self.record.run_id, "blockzoo.resumed_at_step", str(run.start_step))
         return self.record.run_id
 
+    def _points(self, run_id: str) -> list[Any]:
+        """Every metric point the MLflow run `run_id` holds."""
+        keys = self.client.get_run(run_id).data.metrics
+        return [point for key in keys for point in self.client.get_metric_history(run_id, key)]
+
     def _last_logged_step(self) -> int:
         """The last step of any metric the MLflow run holds (an earlier process may have sent a step it did not
         record)."""
-        keys = self.client.get_run(self.run_id).data.metrics
-        return max((m.step for key in keys for m in self.client.get_metric_history(self.run_id, key)), default=0)
+        return max((point.step for point in self._points(self.run_id)), default=0)
+
+    def _supersede(self, run: TrackerRun) -> None:
+        """A new MLflow run in place of this one, holding its points up to `run.start_step` (module docstring)."""
+        old = self.run_id
+        kept = [point for point in self._points(old) if point.step <= run.start_step]
+        self.run_id = self._new_run(run)
+        self.record.update(superseded=[*self.record.data.get("superseded", []), old])
+        for start in range(0, len(kept), METRICS_PER_CALL):
+            self.client.log_batch(self.run_id, metrics=kept[start : start + METRICS_PER_CALL])
+        self.client.set_tag(self.run_id, "blockzoo.supersedes", old)
+        self.client.set_tag(self.run_id, "blockzoo.resumed_at_step", str(run.start_step))
+        self.client.set_tag(old, "blockzoo.superseded_by", self.run_id)
+        self.client.set_terminated(old, "KILLED")
+        self.client.delete_run(old)
+        self.last_step = run.start_step
+        self.record.update(last_step=self.last_step)
 
     def log(self, step: int, entry: Mapping[str, Any]) -> None:
-        # MLflow keeps every point it was sent: the steps an earlier process already sent are not sent again.
+        # Steps the MLflow run already holds (an earlier process sent them, up to the checkpoint) are not sent again.
         if step <= self.last_step:
             return
         from mlflow.entities import Metric

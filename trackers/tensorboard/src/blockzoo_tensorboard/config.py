@@ -15,3 +15,8 @@ class TensorBoardTrackerConfig(TrackerConfig):
     flush_seconds: float = field(
         10.0, doc="How often the event files are flushed to disk (seconds).", validator=greater_than(0)
     )
+    separate_process: bool = field(
+        True,
+        doc="Run the tracker in a child process of its own (the default here): its library's work never holds the "
+        "training loop's interpreter. false: on a thread of the training process.",
+    )
