@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/device.sh [SUITE[:ARGUMENTS]]...      e.g.  bash benchmarks/device.sh llama "kernels:--cases ce-128256"
 #
-# 1. installs .whl/*.whl (made on a CPU machine by shared/device/make-wheels.sh: cattrs, a Triton-only mamba-ssm,
-#    liger-kernel, flash-linear-attention) into /tmp/site with `pip --no-index --no-deps --target`, and the project's
+# 1. installs .whl/*.whl (made on a CPU machine by benchmarks/make_wheels.sh: cattrs, a Triton-only mamba-ssm,
+#    liger-kernel, flash-linear-attention, torchtitan and torchao with their light imports) into /tmp/site with `pip --no-index --no-deps --target`, and the project's
 #    distributions editable with `--no-deps --no-build-isolation` (skipped when a previous call on this machine
 #    installed the same wheels and pyproject files);
 # 2. runs each named suite (llama, mamba2, moe, kernels, trainer; ARGUMENTS after a colon go to its command line)
@@ -39,8 +39,11 @@ for requested in "$@"; do
 done
 
 # -- 1. install ---------------------------------------------------------------------------------------------------------
-DISTRIBUTIONS=(core mixers/attention mixers/mamba mixers/mamba_2 mixers/discrete_mamba_2 mixers/gated_delta_net
-  mixers/mla mlps/mlp mlps/moe converters/huggingface)
+DISTRIBUTIONS=(core libraries/ssm libraries/testing mixers/attention mixers/mamba mixers/mamba_2 mixers/discrete_mamba_2
+  mixers/gated_delta_net mixers/mla mlps/mlp mlps/moe adapters/lora converters/huggingface)
+existing=()
+for distribution in "${DISTRIBUTIONS[@]}"; do [[ -f $distribution/pyproject.toml ]] && existing+=("$distribution"); done
+DISTRIBUTIONS=("${existing[@]}")
 stamp=$(cat .whl/*.whl "${DISTRIBUTIONS[@]/%//pyproject.toml}" 2>/dev/null | sha256sum | cut -c1-16)
 if [[ -f /tmp/site/.installed && $(cat /tmp/site/.installed) == "$stamp" ]]; then
   echo "# already installed here ($stamp)"
@@ -49,7 +52,7 @@ else
   shopt -s nullglob
   wheels=(.whl/*.whl)
   if ((${#wheels[@]} == 0)); then
-    echo "# no wheels in .whl/ (run shared/device/make-wheels.sh on the CPU machine; carry .whl): peers will be absent"
+    echo "# no wheels in .whl/ (run benchmarks/make_wheels.sh on the CPU machine; carry .whl): peers will be absent"
   else
     python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "${wheels[@]}" \
       >"$OUT/install.log" 2>&1 || { echo "# installing the wheels failed:"; tail -20 "$OUT/install.log"; }
@@ -67,7 +70,8 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
   python3 -c 'import sys, importlib.metadata as m
 print("python", sys.version.split()[0])
-for name in ("torch", "triton", "transformers", "mamba_ssm", "liger_kernel", "fla-core", "cattrs", "blockzoo"):
+for name in ("torch", "triton", "transformers", "mamba_ssm", "liger_kernel", "fla-core", "torchtitan", "torchao",
+             "cattrs", "blockzoo"):
     try:
         print(name, m.version(name))
     except m.PackageNotFoundError:

@@ -38,7 +38,7 @@ PEAK_FLOPS = 989e12  # H100/H200 dense bf16, the denominator of MFU (anchors §6
 GIB = 2**30
 REPOSITORY = Path(__file__).resolve().parent.parent
 # Distributions whose versions every run records (the peers' libraries and what they run on).
-VERSIONED = ("torch", "triton", "transformers", "mamba_ssm", "liger_kernel", "blockzoo")
+VERSIONED = ("torch", "triton", "transformers", "mamba_ssm", "liger_kernel", "torchtitan", "torchao", "blockzoo")
 
 
 class Absent(Exception):

@@ -17,9 +17,14 @@ Cases (all by default):
   materialized logits (bf16) then F.cross_entropy in fp32 (what the model ran before), eager and compiled; liger's
   cross-entropy on the materialized logits and its fused linear cross-entropy.
 - `conv-16384`, `conv-32768` (tokens in documents of 4096; 4352 channels = mamba2-1.3b's x‖B‖C, kernel 4, silu):
-  ours `blockzoo.ssm.causal_conv1d` reading x‖B‖C from the in_proj output as the mixer does; the same math as plain
+  ours `blockzoo_ssm.causal_conv1d` reading x‖B‖C from the in_proj output as the mixer does; the same math as plain
   torch (shifted taps, masked at document starts), eager and compiled; cuDNN's depthwise nn.Conv1d over
   [documents, channels, length] (mamba_ssm's path without causal-conv1d).
+- `gdn-4x4096` (4 documents of 4096 tokens, 16 heads × 128, bf16 q, k, v, β, fp32 log decays; Qwen3-Next's and
+  fla's layer shape): the chunked gated delta rule with its L2 norms as the Gated DeltaNet layer runs it: ours
+  (blockzoo-gated-delta-net's Triton kernels), flash-linear-attention's `chunk_gated_delta_rule` (where fla refuses
+  its backward, on Hopper with Triton < 3.7.1, that check lifted: a figure of its speed only, its issue #640 says
+  its gradients are wrong there), and the package's torch chunked form, eager and compiled.
 - `grouped-mixtral` (8 experts, 8192 tokens × top-2, hidden 4096, ffn 14336), `grouped-qwen3` (128 experts, 8192 ×
   top-8, hidden 2048, ffn 768): the experts' gate, up and down products, `torch._grouped_mm` (what blockzoo-moe runs)
   against one product per expert (and `F.grouped_mm` where torch has it).
@@ -63,11 +68,12 @@ CASES = {
     "ce-50288": ("ce", {"tokens": 16384, "hidden": 2048, "vocab": 50288}),
     "conv-16384": ("conv", {"tokens": 16384}),
     "conv-32768": ("conv", {"tokens": 32768}),
+    "gdn-4x4096": ("gdn", {"tokens": 16384, "document": 4096, "heads": 16, "head_size": 128}),
     "grouped-mixtral": ("grouped", {"tokens": 8192, "top_k": 2, "experts": 8, "hidden": 4096, "ffn": 14336}),
     "grouped-qwen3": ("grouped", {"tokens": 8192, "top_k": 8, "experts": 128, "hidden": 2048, "ffn": 768}),
 }
 # --tiny: every size divided (heads, documents and kernel size kept small too)
-TINY_SIZES = {"tokens": 64, "hidden": 32, "head_size": 16, "ffn": 32, "vocab": 96, "experts": 4}
+TINY_SIZES = {"tokens": 64, "hidden": 32, "head_size": 16, "ffn": 32, "vocab": 96, "experts": 4, "heads": 2}
 
 
 def tiny(shape: dict) -> dict:
@@ -330,7 +336,7 @@ class Suite:
             return projected[:, offset : offset + channels]
 
         def ours() -> Callable:
-            from blockzoo.ssm import causal_conv1d
+            from blockzoo_ssm import causal_conv1d
 
             return lambda projected, weight, bias: causal_conv1d(
                 columns(projected), weight, bias, batch, activation="silu"
@@ -358,7 +364,7 @@ class Suite:
             {**shape, "document": document, "channels": channels, "kernel": CONV_KERNEL},
             [projected, weight, bias],
             [
-                ("ours (blockzoo.ssm.causal_conv1d)", ours, True),
+                ("ours (blockzoo_ssm.causal_conv1d)", ours, True),
                 ("plain torch (shifted taps), eager", lambda: shifted_taps, False),
                 ("plain torch (shifted taps), torch.compile", lambda: compiled(shifted_taps), False),
                 ("cuDNN nn.Conv1d per document row (mamba_ssm's path)", lambda: cudnn, False),
@@ -413,6 +419,53 @@ class Suite:
             ],
             flops=3 * 2 * routed * hidden * ffn * 3,
             note="TFLOP/s: gate, up and down products and their gradients; bf16 weights",
+        )
+
+    def gdn(self, name: str, shape: dict) -> None:
+        from blockzoo.layers.base import Batch
+        from blockzoo_gated_delta_net.delta_rule import gated_delta_rule_from
+
+        tokens, heads, size = shape["tokens"], shape["heads"], shape["head_size"]
+        document = min(shape["document"], tokens)
+        batch = Batch([document] * (tokens // document), device=self.device)
+        q, k, v = (self.randn(tokens, heads, size) for _ in range(3))
+        g = (-F.softplus(self.randn(tokens, heads, dtype=torch.float32, grad=False)) * 0.2).requires_grad_()
+        beta = torch.sigmoid(self.randn(tokens, heads, grad=False)).requires_grad_()
+
+        def rule(kernel: str) -> Callable:
+            def run(q, k, v, g, beta):
+                return gated_delta_rule_from(q, k, v, g, beta, batch, kernel=kernel)[0]
+
+            return run
+
+        def ours() -> Callable:
+            if self.device.type != "cuda":
+                raise harness.Absent("blockzoo's Triton kernels run on CUDA")
+            return rule("triton")
+
+        def fla() -> Callable:
+            from blockzoo_gated_delta_net.delta_rule import fla_available, fla_backward_refused
+
+            if self.device.type != "cuda" or not fla_available():
+                raise harness.Absent("flash-linear-attention is not importable here (or no CUDA)")
+            if fla_backward_refused():  # lifted for the rest of this process (no later case runs fla)
+                import fla.ops.common.chunk_o as chunk_o
+
+                chunk_o.TRITON_ABOVE_3_7_1 = True
+            return rule("fla")
+
+        self.run_case(
+            name,
+            shape,
+            [q, k, v, g, beta],
+            [
+                ("ours (blockzoo-gated-delta-net's Triton kernels)", ours, True),
+                ("fla chunk_gated_delta_rule", fla, False),
+                ("torch chunked form (the CPU path), eager", lambda: rule("torch"), False),
+                ("torch chunked form, torch.compile", lambda: compiled(rule("torch")), False),
+            ],
+            flops=3 * 7 * tokens * heads * size * size,
+            note="TFLOP/s: the layer's count, 7 operations per state element and token forward, twice that backward",
         )
 
     def run(self, name: str) -> None:

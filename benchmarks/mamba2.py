@@ -5,7 +5,7 @@ layer alone, forward + backward, ours against mamba_ssm's `Mamba2`.
     python benchmarks/mamba2.py [--cases 4x4096 8x4096 layer] [--ours SETTING ...] [--steps 6] [--warmup 3]
         [--json PATH] [--tiny]
 
-The peer is built by mamba_ssm (imported through `blockzoo.ssm.import_mamba_ssm`, the project's one adapter) with
+The peer is built by mamba_ssm (imported through `blockzoo_ssm.import_mamba_ssm`, the project's one adapter) with
 the `Mamba2` layer, its defaults otherwise (RMSNorm, residual in fp32, its fused Triton add+norm, which needs no
 compiled extension) except `use_mem_eff_path=False` (its fused path needs the compiled causal-conv1d, which cannot
 be built on the GPU machine: it runs nn.Conv1d then). fp32 master weights, bf16 autocast, fused AdamW, our initial
@@ -56,7 +56,7 @@ def layer_flops(shape: shapes.Mamba2Shape, lengths: list[int]) -> tuple[int, int
 
 def import_mamba_ssm() -> None:
     try:
-        from blockzoo.ssm import import_mamba_ssm
+        from blockzoo_ssm import import_mamba_ssm
 
         import_mamba_ssm()
     except ImportError as error:

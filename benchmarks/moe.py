@@ -2,13 +2,16 @@
 
     python benchmarks/moe.py [--cases mixtral qwen3-8192 qwen3-32768] [--steps 10] [--warmup 3] [--json PATH] [--tiny]
 
-Cases: `mixtral` (8192 tokens, hidden 4096, ffn 14336, 8 experts top-2) against `MixtralSparseMoeBlock`;
-`qwen3-8192` and `qwen3-32768` (128 experts top-8, hidden 2048, expert ffn 768, Qwen3-30B-A3B's layer) against
-`Qwen3MoeSparseMoeBlock`. Ours: blockzoo-moe with fp32 master weights cast to bf16 in the layer, bf16
-activations. Each transformers block runs in every experts implementation transformers offers here (`grouped_mm`,
-`batched_mm`, `eager`; the one a model of the family gets by default is named in the case's notes), with fp32
-weights under bf16 autocast (as in training) and with bf16 weights; and with liger-kernel's experts
-(`LigerExperts`, its fused Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` /
+Cases: `mixtral` (8192 tokens, hidden 4096, ffn 14336, 8 experts top-2) against `MixtralSparseMoeBlock`; `qwen3-8192`
+and `qwen3-32768` (128 experts top-8, hidden 2048, expert ffn 768, Qwen3-30B-A3B's layer) against
+`Qwen3MoeSparseMoeBlock`. Ours: blockzoo-moe with fp32 master weights cast to bf16 in the layer, bf16 activations, and
+the same layer with bf16 weights (what a bf16 block holds: the fp32-master figure pays the casts the bf16-weight peers
+do not). At the Qwen3 shapes also torchtitan 0.3.0's MoE (its `MoE` as its Qwen3 MoE models configure it: softmax
+router, top k renormalized, grouped GEMMs through `torch._grouped_mm` in bf16) with fp32 and with bf16 weights, our
+weights copied in (its router runs in the weights' dtype). Each transformers block runs in every experts implementation
+transformers offers here (`grouped_mm`, `batched_mm`, `eager`; the one a model of the family gets by default is named in
+the case's notes), with fp32 weights under bf16 autocast (as in training) and with bf16 weights; and with liger-kernel's
+experts (`LigerExperts`, its fused Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` /
 `apply_liger_kernel_to_qwen3_moe` with their defaults, undone after). Our weights are copied into each block and its
 output compared to ours (relative L2 difference: the routers' top-k may differ on near ties, ours routes in fp32);
 parameter counts asserted equal. TFLOP/s on the active experts (`shapes.moe_layer_flops`).
@@ -66,6 +69,7 @@ class Suite:
         self.arguments, self.device, self.runner = arguments, device, runner
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.weights: dict[str, torch.Tensor] | None = None  # ours, in transformers' names, on the CPU
+        self.ours_weights: dict[str, torch.Tensor] | None = None  # ours, in our names, on the CPU
         self.output: torch.Tensor | None = None  # ours, on the CPU
         self.parameters = 0  # ours, in the current case
 
@@ -82,7 +86,7 @@ class Suite:
             tokens=shape.tokens,
             flops=shapes.moe_layer_flops(shape),
         )
-        self.weights = self.output = None
+        self.weights = self.output = self.ours_weights = None
         layer = shapes.our_layer(
             shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu", initialize=False
         )
@@ -97,6 +101,20 @@ class Suite:
         hidden = torch.randn(shape.tokens, shape.hidden, device=self.device, generator=generator).to(self.dtype)
         output_grad = torch.randn_like(hidden)
         self.runner.run(case, "ours (blockzoo moe)", lambda: self.ours(shape, hidden, output_grad), ours=True)
+        if self.device.type == "cuda" or self.arguments.tiny:
+            self.runner.run(
+                case,
+                "ours (blockzoo moe), bf16 weights",
+                lambda: self.ours(shape, hidden, output_grad, bf16_weights=True),
+                ours=True,
+            )
+        if shape.family == "qwen3_moe":
+            for precision in ("fp32 weights", "bf16 weights"):
+                self.runner.run(
+                    case,
+                    f"torchtitan MoE (grouped GEMMs), {precision}",
+                    lambda p=precision: self.torchtitan(shape, hidden, output_grad, p),
+                )
         family = "Mixtral" if shape.family == "mixtral" else "Qwen3-MoE"
         for precision in ("fp32 + autocast", "bf16 weights"):
             for implementation in IMPLEMENTATIONS:
@@ -112,12 +130,21 @@ class Suite:
         )
         self.runner.finish(case)
 
-    def ours(self, shape: shapes.MoEShape, hidden: torch.Tensor, output_grad: torch.Tensor) -> harness.Timing:
+    def ours(
+        self, shape: shapes.MoEShape, hidden: torch.Tensor, output_grad: torch.Tensor, *, bf16_weights: bool = False
+    ) -> harness.Timing:
         from blockzoo.layers.base import Batch
 
         layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device=self.device.type)
-        weights = shapes.moe_to_transformers(dict(layer.named_parameters()), shape)
-        self.weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
+        if bf16_weights:  # the same initial weights, held in bf16 (the layer's casts become no-ops)
+            layer = layer.to(torch.bfloat16)
+            hidden, output_grad = hidden.to(torch.bfloat16), output_grad.to(torch.bfloat16)
+        else:
+            self.ours_weights = {
+                name: tensor.detach().to("cpu", copy=True) for name, tensor in layer.named_parameters()
+            }
+            weights = shapes.moe_to_transformers(self.ours_weights, shape)
+            self.weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}
 
         def step() -> torch.Tensor:
             inputs = hidden.detach().requires_grad_()
@@ -126,7 +153,42 @@ class Suite:
             return output.detach()
 
         timing = self.time(step)
-        self.output = timing.first_value.float().cpu()
+        if bf16_weights:
+            timing.extra["output Δrel to ours"] = self.difference(timing.first_value)
+        else:
+            self.output = timing.first_value.float().cpu()
+        return timing
+
+    def difference(self, output: torch.Tensor) -> float | None:
+        """Relative L2 difference of a contender's output to ours (fp32 master weights)."""
+        if self.output is None:
+            return None
+        theirs = output.float().cpu().view_as(self.output)
+        return float((theirs - self.output).norm() / self.output.norm())
+
+    def torchtitan(
+        self, shape: shapes.MoEShape, hidden: torch.Tensor, output_grad: torch.Tensor, precision: str
+    ) -> harness.Timing:
+        from benchmarks import titan_peer
+
+        layer = titan_peer.moe_layer(shape, self.device)
+        count = shapes.parameter_count(layer)
+        if count != self.parameters:
+            raise ValueError(f"torchtitan's MoE has {count} parameters, ours {self.parameters}")
+        if self.ours_weights is not None:
+            titan_peer.load(layer, titan_peer.moe_to_torchtitan(self.ours_weights, shape))
+        if precision == "bf16 weights":
+            layer = layer.to(torch.bfloat16)
+        dtype = next(layer.parameters()).dtype
+
+        def step() -> torch.Tensor:
+            inputs = hidden.detach().to(dtype).view(1, *hidden.shape).requires_grad_()
+            output = layer(inputs)
+            output.backward(output_grad.to(output.dtype).view_as(output))
+            return output.detach()
+
+        timing = self.time(step)
+        timing.extra["output Δrel to ours"] = self.difference(timing.first_value)
         return timing
 
     def transformers(
@@ -161,8 +223,7 @@ class Suite:
 
             timing = self.time(step)
         if self.output is not None:
-            theirs = timing.first_value.float().cpu().view_as(self.output)
-            timing.extra["output Δrel to ours"] = float((theirs - self.output).norm() / self.output.norm())
+            timing.extra["output Δrel to ours"] = self.difference(timing.first_value)
         return timing
 
 

@@ -184,7 +184,7 @@ def mamba_ssm_layer_options(shape: Mamba2Shape) -> dict[str, Any]:
 
 def mamba_ssm_config(shape: Mamba2Shape):
     """mamba_ssm's `MambaConfig` of the same LM, its defaults otherwise (RMSNorm, residual in fp32, the fused Triton
-    add+norm, tied embeddings). Import mamba_ssm through `blockzoo.ssm.import_mamba_ssm` first."""
+    add+norm, tied embeddings). Import mamba_ssm through `blockzoo_ssm.import_mamba_ssm` first."""
     from mamba_ssm.models.config_mamba import MambaConfig
 
     return MambaConfig(
