@@ -17,9 +17,15 @@ ROOT = Path(__file__).parent
 # Installed first: a bare `torch` requirement would pull a multi-GB CUDA build where none is installed.
 TORCH = "torch==2.13.0"
 TEST_REQUIREMENTS = ["pytest>=8", "pytest-xdist>=3", "setuptools>=61"]
+# The benchmarks' torchtitan peer (tests/test_benchmarks.py runs it at --tiny shapes): torchtitan without its declared
+# dependencies (datasets < 4.8, wandb, tensorboard... which its model code never imports) plus what that code imports;
+# torchao for its float8 converter. The same pins as benchmarks/make_wheels.sh.
+BENCHMARK_PEERS = ["torchtitan==0.3.0", "spmd_types==0.2.3", "torch_checkpointing==0.1.1", "torchao==0.18.0"]
 DISTRIBUTION_FOLDERS = [
     "core",
+    "libraries/*",
     "mixers/*",
+    "adapters/*",
     "mlps/*",
     "converters/*",
     "trackers/*",
@@ -51,14 +57,31 @@ def distributions() -> dict[str, Path]:
 
 
 def install(session: nox.Session, *folders: Path, extra: str | None = "test") -> None:
-    """torch first, then each folder editable, with its `extra` where its pyproject.toml declares one."""
+    """torch first, then each folder editable, with its `extra` where its pyproject.toml declares one, and the
+    folders of the repository's distributions they require (blockzoo-ssm, blockzoo-testing): from here, never the
+    index."""
     session.install(TORCH)
     session.install(*TEST_REQUIREMENTS)
     arguments = []
-    for folder in folders:
+    for folder in with_local_requirements(folders, extra):
         extras = nox.project.load_toml(folder / "pyproject.toml")["project"].get("optional-dependencies", {})
         arguments += ["-e", f"{folder}[{extra}]" if extra in extras else str(folder)]
     session.install(*arguments)
+
+
+def with_local_requirements(folders, extra: str | None) -> list[Path]:
+    """`folders` and, transitively, the folders of the repository's distributions they require (their dependencies
+    and their `extra`'s): pip would look a requirement up on the index unless its folder is installed with them."""
+    by_name = {re.sub(r"[-_.]+", "-", name).lower(): folder for name, folder in distributions().items()}
+    found = list(dict.fromkeys(map(Path, folders)))
+    for folder in found:  # grows while it is walked: requirements of requirements
+        project = nox.project.load_toml(ROOT / folder / "pyproject.toml")["project"]
+        lines = [*project.get("dependencies", []), *project.get("optional-dependencies", {}).get(extra, [])]
+        for line in lines:
+            name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", line).group()).lower()
+            if name in by_name and by_name[name] not in found:
+                found.append(by_name[name])
+    return found
 
 
 @nox.session
@@ -81,6 +104,9 @@ def tests(session: nox.Session, distribution: str) -> None:
         folders = list(dict.fromkeys([Path("core"), *map(Path, test_with.get("test-with", [])), folder]))
         paths = [str(folder / "tests")]
     install(session, *folders)
+    if distribution == "all":  # the root tests/ (the benchmarks' among them) run here only
+        session.install("--no-deps", *BENCHMARK_PEERS)
+        session.install("tyro==1.0.17")
     session.run("pytest", "-n", "auto", *paths, *selection, *session.posargs, env={"BLOCKZOO_STRICT_PLUGINS": "1"})
 
 
@@ -94,7 +120,8 @@ def demo(session: nox.Session) -> None:
     install(session, *DEMO_FOLDERS, extra=None)
     example = session.posargs[0] if session.posargs else "demo"
     if example == "blended":  # its data: Parquet, .jsonl.zst and text sources, a trained tokenizer.json, prepared
-        session.install("pyarrow", "zstandard", "tokenizers")
+        install(session, Path("libraries/corpora"), extra=None)
+        session.install("tokenizers")
         session.run("python", "examples/blended_data.py")
     output = f"runs/{example}"  # the example's own output_dir, where the README's next commands look
     session.run("rm", "-rf", output, external=True)  # the demo trains anew
@@ -108,7 +135,8 @@ def template(session: nox.Session) -> None:
     """Bake the plugin template (plugins/template) once per kind into a temporary directory outside the repository,
     install each project with the core into this session's environment, and run its tests: a generated project passes
     them right away."""
-    install(session, Path("core"), extra=None)
+    # The generated projects' `test` extra names blockzoo-testing: installed here from its folder, never the index.
+    install(session, Path("core"), Path("libraries/testing"), extra=None)
     session.install("copier>=9")
     root = Path(tempfile.mkdtemp(prefix="blockzoo-template-"))
     kinds = ("mixer", "mlp", "tracker")

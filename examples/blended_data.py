@@ -10,7 +10,7 @@ tokenizer trained on them, and `blockzoo prepare` run on each.
   it from another seed, prepared apart: a validation set used whole.
 - tokenizer.json: a byte-level BPE of 1024 ids trained on all of it, `<|endoftext|>` ending every document.
 
-Needs pyarrow, zstandard and tokenizers: pip install 'blockzoo[datasets]' tokenizers.
+Needs blockzoo-corpora (pyarrow, zstandard) and tokenizers: pip install blockzoo-corpora tokenizers.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def write_sources(raw: Path) -> dict[str, Path]:
         import pyarrow.parquet as pq
         import zstandard
     except ImportError as error:
-        sys.exit(f"examples/blended_data.py needs pyarrow and zstandard ({error}): pip install 'blockzoo[datasets]'")
+        sys.exit(f"examples/blended_data.py needs pyarrow and zstandard ({error}): pip install blockzoo-corpora")
     web, code, math, math_val = (raw / name for name in ("web", "code", "math", "math_val"))
     for directory in (web, code, math, math_val):
         directory.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ FP32 = "distributed.compute_dtype=fp32"  # a setting: exact comparisons on the C
 
 def mamba_ssm_or_skip():
     """mamba_ssm through the project's adapter, or skip the test (only where it is absent: CPU machines)."""
-    from blockzoo.ssm import import_mamba_ssm
+    from blockzoo_ssm import import_mamba_ssm
 
     try:
         import_mamba_ssm()
@@ -317,6 +317,93 @@ def test_trainer_step_times_come_from_consecutive_log_lines():
 
 def test_device_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(REPOSITORY / "benchmarks/device.sh")], check=True)
+    subprocess.run(["bash", "-n", str(REPOSITORY / "benchmarks/make_wheels.sh")], check=True)
+
+
+# -- torchtitan --------------------------------------------------------------------------------------------------------
+
+
+def titan_peer():
+    """benchmarks.titan_peer, or skip the test where torchtitan is not installed (the nox session that runs these
+    tests installs it: noxfile.py BENCHMARK_PEERS)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed here")
+    from benchmarks import titan_peer
+
+    return titan_peer
+
+
+def test_torchtitan_llama_1b_has_our_parameter_count():
+    peer = titan_peer()
+    with torch.device("meta"):
+        theirs = peer.llama_config(shapes.LLAMA_1B, 4096, attention="flex").build()
+    ours_count = shapes.parameter_count(shapes.our_model(shapes.llama_model(shapes.LLAMA_1B)))
+    assert shapes.parameter_count(theirs) == ours_count
+
+
+def test_torchtitan_weight_map_gives_transformers_logits():
+    """Our initial weights through the map into torchtitan's Llama 3 (fp32, its causal SDPA) give transformers'
+    logits from the same weights, rows of several lengths: the rotary permutation and the fused QKV load are right."""
+    from transformers import LlamaForCausalLM
+
+    peer = titan_peer()
+    shape = shapes.LLAMA_TINY
+    model, _ = ours.build(ours.run_config(shapes.llama_model(shape), FP32, rows=1, length=16))
+    weights = {name: tensor.detach() for name, tensor in model.named_parameters()}
+    reference = LlamaForCausalLM._from_config(shapes.transformers_llama_config(shape, 16), attn_implementation="sdpa")
+    shapes.load_into(reference, shapes.llama_to_transformers(weights, shape.layers))
+    theirs = peer.build_llama(peer.llama_config(shape, 16, attention="sdpa"), torch.device("cpu"))
+    peer.load(theirs, peer.llama_to_torchtitan(weights, shape))
+    assert shapes.parameter_count(theirs) == shapes.parameter_count(model)
+    tokens = ours.random_tokens(3, 16, shape.vocab, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(peer.llama_logits(theirs, tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_torchtitan_float8_converts_the_linears_torchao_can_take():
+    """torchtitan's converter with torchao's tensorwise recipe swaps every linear (dims divisible by 16) for
+    torchao's Float8Linear; its emulated step-0 loss stays near the bf16 one."""
+    peer = titan_peer()
+    from torchao.float8.float8_linear import Float8Linear
+
+    shape = shapes.LLAMA_TINY
+    model = peer.build_llama(peer.llama_config(shape, 16, attention="sdpa", float8="tensorwise", emulate=True), "cpu")
+    linears = {name: type(module) for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert linears and all(issubclass(kind, Float8Linear) for kind in linears.values()), linears
+    assert model.lm_head.config.cast_config_weight.scaling_granularity.value == "tensorwise"
+
+
+def test_torchtitan_moe_weight_map_gives_transformers_outputs():
+    """Our MoE weights through the map into torchtitan's MoE give transformers' Qwen3-MoE block's outputs (theirs
+    multiplies in bf16 whatever the weights: bf16's precision) and its parameter count at Qwen3-30B-A3B's layer."""
+    peer = titan_peer()
+    with torch.device("meta"):
+        layer = shapes.our_layer(
+            shapes.moe_layer(shapes.QWEN3_MOE), kind="mlp", hidden=2048, device="cpu", initialize=False
+        )
+    full = peer.moe_layer(shapes.QWEN3_MOE, torch.device("meta"))
+    assert shapes.parameter_count(full) == shapes.parameter_count(layer)
+    shape = shapes.MoEShape(tokens=40, hidden=16, ffn=16, experts=6, top_k=2, family="qwen3_moe")
+    layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device="cpu")
+    weights = {name: tensor.detach() for name, tensor in layer.named_parameters()}
+    block = shapes.transformers_moe_block(shape, "eager")
+    shapes.load_into(block, shapes.moe_to_transformers(weights, shape))
+    theirs = peer.moe_layer(shape, torch.device("cpu"))
+    peer.load(theirs, peer.moe_to_torchtitan(weights, shape))
+    hidden = torch.randn(1, shape.tokens, shape.hidden, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = block(hidden)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        output = theirs(hidden)
+    assert float((output - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_torchtitan_options_parse_and_refuse_unknown_words():
+    from benchmarks.llama import torchtitan_options
+
+    assert torchtitan_options("compile,checkpointing=selective") == {"compile": True, "checkpointing": "selective"}
+    assert torchtitan_options("eager") == {"compile": False, "checkpointing": None}
+    with pytest.raises(ValueError, match="checkpointing=some"):
+        torchtitan_options("checkpointing=some")
 
 
 # -- the suites at tiny shapes -----------------------------------------------------------------------------------------
@@ -348,6 +435,32 @@ def test_llama_suite_runs_ours_and_transformers_with_equal_losses(tmp_path):
 
 
 @pytest.mark.slow
+def test_llama_suite_runs_torchtitan_and_its_float8_with_our_losses(tmp_path):
+    titan_peer()
+    arguments = ["--cases", "4x4096", "--ours", "compile=none", "--peers", "torchtitan", "torchtitan-float8"]
+    records = run_suite(tmp_path, "llama", *arguments)
+    assert statuses(records) == {
+        ("4x4096", "ours (compile=none)"): "ok",
+        ("4x4096", "torchtitan Llama 3 (eager)"): "ok",
+        ("4x4096", "torchtitan Llama 3 (eager, float8 tensorwise)"): "ok",
+    }
+    results = [record for record in records if record["record"] == "result"]
+    assert all(result["extra"]["loss0 ok"] for result in results)
+
+
+@pytest.mark.slow
+def test_moe_suite_runs_torchtitan_and_ours_in_bf16_weights(tmp_path):
+    titan_peer()
+    found = statuses(run_suite(tmp_path, "moe", "--cases", "qwen3-8192"))
+    for contender in (
+        "ours (blockzoo moe), bf16 weights",
+        "torchtitan MoE (grouped GEMMs), fp32 weights",
+        "torchtitan MoE (grouped GEMMs), bf16 weights",
+    ):
+        assert found[("qwen3-8192", contender)] == "ok", found
+
+
+@pytest.mark.slow
 def test_mamba2_suite_runs_ours_and_reports_a_missing_mamba_ssm(tmp_path):
     found = statuses(run_suite(tmp_path, "mamba2", "--cases", "4x4096", "layer", "--ours", "compile=none"))
     assert found[("4x4096", "ours (compile=none)")] == "ok" and found[("layer", "ours (blockzoo mamba_2)")] == "ok"
@@ -372,7 +485,7 @@ def test_kernels_suite_runs_a_case_of_each_kind(tmp_path):
         if record["record"] == "case" and record["case"] in cases:
             ours_result = next(result for result in record["results"] if result["ours"])
             assert ours_result["status"] == "ok", record["case"]
-    assert found[("conv-16384", "ours (blockzoo.ssm.causal_conv1d)")] == "ok"
+    assert found[("conv-16384", "ours (blockzoo_ssm.causal_conv1d)")] == "ok"
     assert found[("conv-16384", "plain torch (shifted taps), eager")] == "ok"
 
 

@@ -31,8 +31,8 @@ from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 # As tests/test_sequence_data_parallel.py: the ranks sum in another order than the single process (fp32).
 LOSS_TOLERANCE = {"rtol": 2e-5, "atol": 1e-7}
@@ -321,7 +321,7 @@ def test_blockzoo_config_builds_the_blend_and_names_a_bad_source(sources, tmp_pa
 def test_the_walkthrough_example_prepares_its_sources_and_trains(tmp_path, capsys):
     """examples/blended_data.py makes and prepares the sources; examples/blended.yaml trains on them (a few short
     steps here), logging every named validation set and source_tokens."""
-    for needed in ("pyarrow", "zstandard", "tokenizers"):  # what the example's data needs (blockzoo[datasets])
+    for needed in ("blockzoo_corpora", "tokenizers"):  # what the example's data needs
         pytest.importorskip(needed)
     root = Path(__file__).resolve().parent.parent
     data = tmp_path / "data"

@@ -29,7 +29,7 @@ from blockzoo.model.size import check_fits
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo.schema import _hints, _plain_configs
-from blockzoo.testing.layers import single_process
+from blockzoo_testing.layers import single_process
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 TINY = {

@@ -62,6 +62,8 @@ def test_the_layout_finds_every_distribution():
     SKIPPED = ("tests", "template", "build")  # fixture plugins, the plugin template, build trees
     found = {_id(folder) for folder in FOLDERS}
     assert {"core", "mixers/attention", "mlps/mlp", "converters/huggingface", "trackers/wandb"} <= found
+    assert {"libraries/ssm", "libraries/testing", "libraries/corpora"} <= found
+    assert "adapters/lora" in found
     # A folder with a pyproject.toml that the patterns miss would escape every check here and in nox.
     everywhere = {
         _id(path.parent)
@@ -90,8 +92,10 @@ def test_metadata_pypi_shows(folder):
     classifiers = project.get("classifiers", [])
     for expected in ["Programming Language :: Python :: 3", "Typing :: Typed", "Development Status :: 3 - Alpha"]:
         assert expected in classifiers, f"{_id(folder)}: classifier {expected!r}"
-    if folder == ROOT / "core":
-        assert "Framework :: Pytest" in classifiers  # the conformance kit's pytest11 entry point
+    # The conformance kit's pytest11 entry point, and only there: pytest loads it in every run where it is installed.
+    pytest_plugin = "pytest11" in project.get("entry-points", {})
+    assert ("Framework :: Pytest" in classifiers) == pytest_plugin, f"{_id(folder)}: Framework :: Pytest"
+    assert pytest_plugin == (folder == ROOT / "libraries" / "testing")
     assert ("Private :: Do Not Upload" in classifiers) == (not _published(folder))
     urls = project.get("urls", {})
     assert urls.get("Homepage") == HOME and urls.get("Documentation") == DOCS

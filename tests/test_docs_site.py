@@ -30,7 +30,7 @@ def test_the_api_reference_documents_every_public_name_where_it_is_defined():
             # Constants carry no __module__: their origin module must hold the same object.
             assert defined_in == origin or getattr(importlib.import_module(origin), name) is value, (name, origin)
     page = hooks.api_reference()
-    assert "::: blockzoo.model.factory.build" in page and "::: blockzoo.config.configclass" in page
+    assert "::: blockzoo.python_api.build" in page and "::: blockzoo.config.configclass" in page
 
 
 def test_no_page_cites_an_internal_work_item():

@@ -1,6 +1,6 @@
 """The three Mamba mixers under sequence-data parallelism, on gloo: each rank's outputs and input gradient are the
 single process's for its tokens, and the parameter gradients summed over the ranks are the single process's
-(`blockzoo.testing.check_sequence_data_parallel`), over 2 and 4 ranks, one slice a rank and in micro-sequence chunks
+(`blockzoo_testing.check_sequence_data_parallel`), over 2 and 4 ranks, one slice a rank and in micro-sequence chunks
 (the state and the convolution's inputs carried from chunk to chunk as well as between ranks). One spawn per
 world size runs every case of all three mixers.
 
@@ -15,10 +15,10 @@ boundary at 21.
 import pytest
 
 from blockzoo.config import structure
-from blockzoo.testing import check_sequence_data_parallel
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
 from blockzoo_mamba.config import MambaConfig
 from blockzoo_mamba_2.config import Mamba2Config
+from blockzoo_testing import check_sequence_data_parallel
 
 LENGTHS = (7, 1, 3, 9, 1, 3)
 # Time steps around 0.1-3 (softplus of N(0, 1)): the state decays visibly within a slice.

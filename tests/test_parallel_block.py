@@ -17,7 +17,7 @@ from blockzoo.layers.base import Batch, slice_batch
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.model.parallel_block import ParallelBlock
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 RANDOM_NORM = {"type": "rms_norm", "weight": {"initialization": {"type": "normal", "mean": 1.0, "std": 0.3}}}
 ATTENTION = {"type": "attention", "heads": 4, "head_groups": 2, "head_size": 8}

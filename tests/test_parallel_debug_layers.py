@@ -27,7 +27,7 @@ from blockzoo.layers.base import Batch
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.plugins import reset_registry
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
+from blockzoo_testing.distributed import run_distributed
 
 VOCAB, TOKENS, STEPS = 64, 16, 2
 LENGTHS = [5, 3, 8]

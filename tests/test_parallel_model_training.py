@@ -20,8 +20,8 @@ from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 # The ranks sum in another order than the single process (fp32). Weights: 4 AdamW steps of lr 0.01 (clipped at
 # norm 1, so clipping acts): Adam's normalized update turns a relative gradient difference of ~1e-6 into weight

@@ -34,9 +34,9 @@ from blockzoo.layers.parameter import uninitialized
 from blockzoo.model.factory import load_pretrained_weights
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.optimizer import unique_trainable
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 # fp32: the stages sum in the single process's order, but tensor and data parallelism reorder sums.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 import blockzoo
 from blockzoo import preset_catalogue, presets
+from blockzoo.api import Preset
 from blockzoo.cli import main
 from blockzoo.config import load, structure, to_dict
 from blockzoo.model.config import ModelConfig
@@ -37,6 +39,19 @@ def test_the_catalogue_holds_every_required_model_and_proxies_of_each_family():
     for name in names:
         preset = presets.get(name)
         assert preset.source.startswith("https://huggingface.co/") != preset.ours, name
+
+
+def test_every_published_preset_names_the_stored_copies_it_was_checked_against():
+    for name in presets.names():
+        preset = presets.get(name)
+        if not preset.ours:
+            assert preset.checked_against, f"{name}: no stored copy of its published values named"
+            assert all(len(source) > 40 for source in preset.checked_against), name  # where, and which fields
+
+
+def test_a_preset_s_checked_against_is_a_tuple_of_sources():
+    with pytest.raises(ValueError, match="checked_against"):
+        Preset(family="x", parameters=1, source="ours", requires=("blockzoo",), config={}, checked_against="a page")
 
 
 def test_docs_models_md_is_generated_from_the_catalogue():

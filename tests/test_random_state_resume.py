@@ -87,7 +87,7 @@ def hybrid_run(root: Path, log=quiet) -> list[float]:
 def test_every_first_party_layer_resumes_bit_exactly(tmp_path, monkeypatch, restore):
     straight = hybrid_run(tmp_path / "straight")
     if not restore:  # the control: without the random states, the resumed half differs
-        monkeypatch.setattr("blockzoo.training.trainer.restore_random_states", lambda *_: None)
+        monkeypatch.setattr("blockzoo.training.setup.restore_random_states", lambda *_: None)
     first = hybrid_run(tmp_path / "resumed", log=interrupt_after_a_checkpoint)
     messages = []
     second = hybrid_run(tmp_path / "resumed", log=messages.append)

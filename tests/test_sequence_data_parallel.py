@@ -29,9 +29,9 @@ from blockzoo.distributed.parallelize import parallelize
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.step import place_micro_batch
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 # fp32: the ranks sum in another order than the single process. 3 AdamW steps of lr 0.01 clipped at norm 1 (as in
 # test_zero.py: Adam turns rounding of a gradient near its epsilon into update differences, hence the weights' atol:

@@ -10,8 +10,8 @@ import pytest
 from mlflow import MlflowClient
 
 from blockzoo.config import to_dict
-from blockzoo.testing.distributed import run_distributed
-from blockzoo.testing.tracking import logged_figures, tiny_run_config, train_tiny
+from blockzoo_testing.distributed import run_distributed
+from blockzoo_testing.tracking import logged_figures, tiny_run_config, train_tiny
 
 ALL = (
     "training.trackers={tb: {type: tensorboard}, wb: {type: wandb, mode: offline}, "

@@ -29,8 +29,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.model.factory import convert
 from blockzoo.model.language_model import LanguageModel
 from blockzoo.run_config import RunConfig
-from blockzoo.testing.distributed import run_distributed
 from blockzoo.training.trainer import Trainer
+from blockzoo_testing.distributed import run_distributed
 
 # fp32; the ranks sum in another order than the single process (FSDP reduce-scatters, then the tensor group sums).
 # 3 AdamW steps of lr 0.01 clipped at norm 1: weights move by ~2e-2 (checked > 1e-3), most differences stay ~1e-7.
@@ -388,8 +388,8 @@ def test_zero_3_on_one_gpu_trains_as_zero_0(tmp_path, monkeypatch):
     (`torch.cuda.set_sync_debug_mode("error")`) but the step's one read of its figures (`to_host`)."""
     from torch.distributed.tensor import DTensor
 
-    from blockzoo.testing.distributed import free_port
     from blockzoo.training.step import to_host
+    from blockzoo_testing.distributed import free_port
 
     plain = Trainer(_gpu_run_config(0, tmp_path / "zero0"), log=lambda _: None)
     plain.run()

@@ -2,7 +2,8 @@
 
 Environment variables: TORCH, what to install first as torch (default `torch`; on a machine without a GPU give a
 CPU build, since the default pulls a CUDA one); BLOCKZOO, where pip finds blockzoo (default `blockzoo>=0.1,<0.2`,
-or a checkout's core folder: `BLOCKZOO=../blockzoo/core nox`).
+or a checkout's folders of the core and of what the plugin requires from it, the conformance kit among them:
+`BLOCKZOO="../blockzoo/core ../blockzoo/libraries/testing" nox`).
 """
 
 import os

@@ -2,7 +2,7 @@
 
 The layer contract (blockzoo.api.Mixer): built as `GatedConvolution(config, *, name, hidden_dim, distributed,
 lr_scale)`, called as `forward(hidden [tokens, hidden], batch, state=None)` on packed documents. The convolution is
-blockzoo's shared `blockzoo.ssm.causal_conv1d` (Mamba's conv1d), which restarts at every document.
+blockzoo's shared `blockzoo_ssm.causal_conv1d` (Mamba's conv1d), which restarts at every document.
 
 Tensor parallel: the channels are split between ranks. `in_proj` is one column-parallel Linear over the concatenated
 [x, gate] dim (each part split on its own, so a checkpoint holds [x of all channels; gate of all channels] whatever
@@ -13,7 +13,7 @@ scatter the output back), so the convolution sees every token.
 Generation: the state holds each sequence's last kernel_size - 1 inputs x of the convolution.
 
 Slices of sequences (`forward_slice`: sequence-data parallelism, micro-sequences): the convolution of a slice needs
-the kernel_size - 1 inputs x before it. `blockzoo.ssm.causal_conv1d_slice` takes them from the previous slice's
+the kernel_size - 1 inputs x before it. `blockzoo_ssm.causal_conv1d_slice` takes them from the previous slice's
 carry (one slice after another) or, over a sequence-data group, all-gathers every rank's last inputs and takes the
 ones just before its slice (the halo; its backward sends the gradients back to the ranks they came from); the carry
 is the last kernel_size - 1 inputs before the next slice, the same on every rank of the group. Nothing else of the
@@ -36,7 +36,7 @@ from blockzoo.api import (
     UniformInitializationConfig,
     create_parameter,
 )
-from blockzoo.ssm import causal_conv1d, causal_conv1d_slice
+from blockzoo_ssm import causal_conv1d, causal_conv1d_slice
 
 from blockzoo_shortconv.config import GatedConvolutionConfig
 
