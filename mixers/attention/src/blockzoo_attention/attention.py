@@ -49,6 +49,7 @@ from blockzoo.api import (
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import Segments, select_kernel
 from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
+from blockzoo_attention.slices import last_rows, slice_keys, stretch
 
 
 class KeyValueCache:
@@ -135,28 +136,6 @@ class AttentionCarry(NamedTuple):
     @property
     def tokens(self) -> int:
         return sum(len(block) for block in self.keys)
-
-
-def _stretch(blocks: tuple[torch.Tensor, ...], start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of the blocks concatenated, copying only the blocks that hold them."""
-    parts, offset = [], 0
-    for block in blocks:
-        end = offset + len(block)
-        if end > start and offset < stop:
-            parts.append(block[max(start - offset, 0) : min(stop, end) - offset])
-        offset = end
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _last_rows(blocks: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
-    """The blocks holding the last `rows` rows of their concatenation (the first of them cut: a view)."""
-    kept, total = [], 0
-    for block in reversed(blocks):
-        if total >= rows:
-            break
-        kept.append(block if total + len(block) <= rows else block[len(block) - (rows - total) :])
-        total += len(kept[-1])
-    return tuple(reversed(kept))
 
 
 class Attention(Mixer):
@@ -302,14 +281,14 @@ class Attention(Mixer):
         causal = self.config.causal
         prepared = batch.preprocessed(
             ("blockzoo_attention.slice_kernel", kernel.name, causal, window, seen),
-            lambda: kernel.prepare(Segments.of(batch), _slice_keys(batch, seen), causal, window),
+            lambda: kernel.prepare(Segments.of(batch), slice_keys(batch, seen), causal, window),
         )
         scale, stop = self.config.resolved_softmax_scale, start + len(query)
 
         def attend(query: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
             key_blocks, value_blocks = blocks[: len(blocks) // 2], blocks[len(blocks) // 2 :]
-            stretch = (_stretch(key_blocks, start - seen, stop), _stretch(value_blocks, start - seen, stop))
-            return kernel.attend(query, *stretch, prepared, scale)
+            keys_values = (stretch(key_blocks, start - seen, stop), stretch(value_blocks, start - seen, stop))
+            return kernel.attend(query, *keys_values, prepared, scale)
 
         if len(keys) > 1 and torch.is_grad_enabled():  # keep the blocks, not their concatenation
             output = checkpoint(attend, query, *keys, *values, use_reentrant=False)
@@ -317,7 +296,7 @@ class Attention(Mixer):
             output = attend(query, *keys, *values)
         carry = AttentionCarry(keys, values)
         if window is not None:
-            carry = AttentionCarry(_last_rows(keys, window - 1), _last_rows(values, window - 1))
+            carry = AttentionCarry(last_rows(keys, window - 1), last_rows(values, window - 1))
         return self._output(output, hidden), carry
 
     def new_state(self, num_sequences: int, max_length: int, device: torch.device, dtype: torch.dtype) -> KeyValueCache:
@@ -345,19 +324,3 @@ class Attention(Mixer):
         if self.config.window_size is not None:
             seen = seen.clamp(max=self.config.window_size)
         return int(seen.sum())
-
-
-def _slice_keys(batch: Batch, seen: int) -> Segments:
-    """Where the documents of a slice's queries lie in the stretch of keys they see: the first piece's document
-    from `seen` tokens before the slice, then every other piece in the slice."""
-    lengths = batch.host_lengths.clone()
-    lengths[0] += seen
-    keys = Segments.from_lengths(lengths)
-    first = torch.arange(int(lengths[0])) + (batch.continued - seen)
-    positions = torch.cat([first, keys.positions[int(lengths[0]) :]])
-    device = batch.device
-    return keys._replace(
-        cu_seqlens=keys.cu_seqlens.to(device),
-        document_index=keys.document_index.to(device),
-        positions=positions.to(device),
-    )

@@ -56,9 +56,9 @@ from blockzoo.api import (
     linear_options,
     scaled_lr,
 )
-from blockzoo_attention.attention import _slice_keys, _stretch
 from blockzoo_attention.kernels import Segments, select_kernel
 from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
+from blockzoo_attention.slices import slice_keys, stretch
 from blockzoo_mla.config import MLAConfig
 
 
@@ -285,13 +285,13 @@ class MultiHeadLatentAttention(Mixer):
         kernel = select_kernel(self.config.implementation, query)
         prepared = batch.preprocessed(
             ("blockzoo_mla.slice_kernel", kernel.name, seen),
-            lambda: kernel.prepare(Segments.of(batch), _slice_keys(batch, seen), True, None),
+            lambda: kernel.prepare(Segments.of(batch), slice_keys(batch, seen), True, None),
         )
         stop = start + len(query)
 
         def attend(query: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
             # Only the stretch this slice's queries see is expanded to keys and values.
-            latent, rotary_key = _stretch(blocks, start - seen, stop).split(
+            latent, rotary_key = stretch(blocks, start - seen, stop).split(
                 [self.config.key_value_rank, self.config.rotary_head_size], dim=-1
             )
             return self._attend(kernel, prepared, query, *self._keys_values(latent, rotary_key, replicated=True))
