@@ -9,11 +9,12 @@ at once (`Stopped`): a save under way is abandoned, its `.partial` directory rem
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,9 @@ class Trainer:
         self.resumed_from = setup.resumed_from
         self.last_checkpoint = setup.resumed_from  # the latest this run can count on: said when it stops
         self.step, self.data_position = setup.step, setup.data_position
+        # The forward and backward passes of a step's micro-batches (`blockzoo.training.loss.forward_backward`): a
+        # partial, so that the step calls the loss with no frame of the trainer's between them.
+        self.forward_backward = functools.partial(forward_backward, self.model, self.pipeline, self.distributed)
         self._gradients: Callable[[list[PlacedMicroBatch]], tuple[torch.Tensor, tuple[str, ...]]] = self._step_gradients
         if self.config.cuda_graphs:
             self._gradients = StepGraph(self._step_gradients, setup.trainable, self.log)
@@ -106,91 +110,92 @@ class Trainer:
     def run(self) -> list[StepRecord]:
         """Train to `train_iters` (or, after SIGTERM / SIGINT, to the next step boundary, saving there)."""
         bar = Progress(total=self.config.train_iters, initial=self.step, enabled=self._shows_progress())
-        with StopSignals(self.log) as signals, bar as self._progress:
-            self._trackers: Trackers | None = None  # started by `_run` on rank 0
-            try:
-                history = self._run(signals)
-            except Stopped as stopped:
-                name = signal.Signals(stopped.signal_number).name
-                message = f"stopped at once by a second {name}; {self._kept()}"
-                self._finish_trackers("interrupted", message, failing=True, seconds=STOPPED_TRACKER_SECONDS)
-                raise Stopped(stopped.signal_number, message) from None
-            except TrackingError as error:  # a required tracker failed
-                self._finish_trackers("failed", str(error), failing=True)
-                raise TrainingError(str(error)) from None
-            except BaseException as error:
-                self._finish_trackers("failed", f"{type(error).__name__}: {error}", failing=True)
-                raise
-            self._finish_trackers("interrupted" if signals.received is not None else "finished")
-            return history
+        with StopSignals(self.log) as signals, bar as self._progress, self._trackers_finished(signals):
+            trained = self.step < self.config.train_iters
+            data_size, resumed_from = self.distributed.data_size, self.resumed_from
+            for line in start_lines(self.model, self.run_config, data_size, step=self.step, resumed_from=resumed_from):
+                self.log(line)
+            if not trained:
+                return self.history
+            if self.distributed.rank == 0:
+                self._trackers = start_trackers(self.run_config, self.model, self.step, self.log)
+            started = time.perf_counter()
+            batches = self.data.training_batches(**data_rank(self.distributed), position=self.data_position)
+            timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
+            self.model.train()  # and again after each evaluation
+            self._upcoming = self._steps.next(batches)
+            while self.step < self.config.train_iters:
+                current = self._upcoming
+                # The next step's data is read and placed while this step's work runs on the device.
+                more = self.step + 1 < self.config.train_iters
+                self._train_step(
+                    current.micro_batches, prefetch=functools.partial(self._prefetch, batches) if more else None
+                )
+                self.step += 1
+                self.data_position = current.position
+                timer.add(current.tokens, current.flops)
+                last = self.step == self.config.train_iters
+                logs = self.step % self.config.log_interval == 0 or last
+                evaluation = self.config.evaluation
+                evaluates = bool(evaluation.interval) and (self.step % evaluation.interval == 0 or last)
+                if logs or evaluates:  # what the host reports must be checked first
+                    self._read_figures()
+                entry = {}  # this step's line of the metrics file, if it logs anything
+                if logs:
+                    record = self.history[-1]
+                    timer.stop()
+                    self.log(step_line(record, self.config.train_iters, timer))
+                    entry = metrics_entry(record, self.step * current.tokens, time.perf_counter() - started, timer)
+                    timer.reset()
+                if evaluates:
+                    tokens = self.step * current.tokens
+                    entry = {"step": self.step, "tokens": tokens, **entry, **self._evaluate()}
+                if self.harness is not None and self.harness.due(self.step, last):
+                    benchmark = self.harness.run(self.model, step=self.step, output_dir=self.output_dir, log=self.log)
+                    entry = {"step": self.step, "tokens": self.step * current.tokens, **entry, **benchmark}
+                if entry and (source_tokens := self.data.source_tokens(self.data_position)) is not None:
+                    entry["source_tokens"] = source_tokens  # a blend's tokens per source, from the position alone
+                if entry:
+                    self._record(entry)
+                self._progress.advance(self.history[-1].loss if logs else None)
+                interval = self.config.checkpoint_interval
+                stop = signals.any_rank_received(self.distributed)
+                if (interval and self.step % interval == 0) or last or stop:
+                    self._read_figures()  # what a checkpoint keeps must be checked first
+                    directory = self.save()
+                if stop and not last:
+                    self.log(
+                        f"stopped at step {self.step} on a signal; checkpoint {directory} saved: the run resumes there"
+                    )
+                    return self.history
+            if self.config.export_format is not None:
+                self.export()
+            return self.history
+
+    @contextlib.contextmanager
+    def _trackers_finished(self, signals: StopSignals) -> Iterator[None]:
+        """Around the run: the trackers (started by `run` on rank 0) hear how it ended, whichever way it did."""
+        self._trackers: Trackers | None = None
+        try:
+            yield
+        except Stopped as stopped:
+            name = signal.Signals(stopped.signal_number).name
+            message = f"stopped at once by a second {name}; {self._kept()}"
+            self._finish_trackers("interrupted", message, failing=True, seconds=STOPPED_TRACKER_SECONDS)
+            raise Stopped(stopped.signal_number, message) from None
+        except TrackingError as error:  # a required tracker failed
+            self._finish_trackers("failed", str(error), failing=True)
+            raise TrainingError(str(error)) from None
+        except BaseException as error:
+            self._finish_trackers("failed", f"{type(error).__name__}: {error}", failing=True)
+            raise
+        self._finish_trackers("interrupted" if signals.received is not None else "finished")
 
     def _finish_trackers(
         self, state: str, message: str | None = None, *, failing: bool = False, seconds: float | None = None
     ) -> None:
         trackers, self._trackers = self._trackers, None
         finish_trackers(trackers, RunStatus(state=state, step=self.step, message=message), seconds, failing, self.log)
-
-    def _run(self, signals: StopSignals) -> list[StepRecord]:
-        trained = self.step < self.config.train_iters
-        data_size, resumed_from = self.distributed.data_size, self.resumed_from
-        for line in start_lines(self.model, self.run_config, data_size, step=self.step, resumed_from=resumed_from):
-            self.log(line)
-        if not trained:
-            return self.history
-        if self.distributed.rank == 0:
-            self._trackers = start_trackers(self.run_config, self.model, self.step, self.log)
-        started = time.perf_counter()
-        batches = self.data.training_batches(**data_rank(self.distributed), position=self.data_position)
-        timer = Throughput(peak_flops(self.config.peak_tflops, self.distributed))
-        self.model.train()  # and again after each evaluation
-        self._upcoming = self._steps.next(batches)
-        while self.step < self.config.train_iters:
-            current = self._upcoming
-            # The next step's data is read and placed while this step's work runs on the device.
-            more = self.step + 1 < self.config.train_iters
-            self._train_step(
-                current.micro_batches, prefetch=functools.partial(self._prefetch, batches) if more else None
-            )
-            self.step += 1
-            self.data_position = current.position
-            timer.add(current.tokens, current.flops)
-            last = self.step == self.config.train_iters
-            logs = self.step % self.config.log_interval == 0 or last
-            evaluation = self.config.evaluation
-            evaluates = bool(evaluation.interval) and (self.step % evaluation.interval == 0 or last)
-            if logs or evaluates:  # what the host reports must be checked first
-                self._read_figures()
-            entry = {}  # this step's line of the metrics file, if it logs anything
-            if logs:
-                record = self.history[-1]
-                timer.stop()
-                self.log(step_line(record, self.config.train_iters, timer))
-                entry = metrics_entry(record, self.step * current.tokens, time.perf_counter() - started, timer)
-                timer.reset()
-            if evaluates:
-                tokens = self.step * current.tokens
-                entry = {"step": self.step, "tokens": tokens, **entry, **self._evaluate()}
-            if self.harness is not None and self.harness.due(self.step, last):
-                benchmark = self.harness.run(self.model, step=self.step, output_dir=self.output_dir, log=self.log)
-                entry = {"step": self.step, "tokens": self.step * current.tokens, **entry, **benchmark}
-            if entry and (source_tokens := self.data.source_tokens(self.data_position)) is not None:
-                entry["source_tokens"] = source_tokens  # a blend's tokens per source, from the position alone
-            if entry:
-                self._record(entry)
-            self._progress.advance(self.history[-1].loss if logs else None)
-            interval = self.config.checkpoint_interval
-            stop = signals.any_rank_received(self.distributed)
-            if (interval and self.step % interval == 0) or last or stop:
-                self._read_figures()  # what a checkpoint keeps must be checked first
-                directory = self.save()
-            if stop and not last:
-                self.log(
-                    f"stopped at step {self.step} on a signal; checkpoint {directory} saved: the run resumes there"
-                )
-                return self.history
-        if trained and self.config.export_format is not None:
-            self.export()
-        return self.history
 
     def _record(self, entry: dict[str, Any]) -> None:
         """A logged step's figures (training, evaluation or both): to the trackers (`metrics.jsonl`, ...), on rank 0."""
@@ -255,10 +260,6 @@ class Trainer:
             self._check_finite("gradient norm", norm, figures.step)
             losses = dict(zip(figures.names, named))
             self.history.append(StepRecord(figures.step, loss, figures.learning_rate, norm, losses))
-
-    def forward_backward(self, micro_batches: list[PlacedMicroBatch]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The forward and backward passes of a step's micro-batches (`blockzoo.training.loss.forward_backward`)."""
-        return forward_backward(self.model, self.pipeline, self.distributed, micro_batches)
 
     def _check_finite(self, what: str, value: float, step: int) -> None:
         if not math.isfinite(value):
