@@ -4,11 +4,10 @@ whole forward's output and every gradient (input and parameters), the float64 re
 to what generation keeps. Documents straddle slice boundaries, are shorter than a slice, have one token, and end on a
 slice boundary. Under sequence-data parallelism: test_gated_delta_net_sequence_data_parallel.py."""
 
-import pytest
 from gated_delta_net_reference import AROUND_ONE, STRONG_DECAY, build, reference_forward
 
 from blockzoo_ssm import SSMCarry
-from blockzoo_testing import check_recurrent_slices
+from blockzoo_testing import RecurrentSliceTests
 
 # fp32: the gradients reach ~80 here (strong decays), and their differences from the whole forward are ~2e-6 of
 # their norms (in float64 ~5e-9, the decays being computed in fp32 by design both ways).
@@ -34,26 +33,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_slices_equal_the_whole_forward_and_every_gradient(case):
-    check_recurrent_slices(build(CASES[case]), tolerance=TOLERANCE)
+class TestGatedDeltaNetSlices(RecurrentSliceTests):
+    cases = CASES
+    tolerance = TOLERANCE
+    reference_cases = ("grouped-values-short-chunks",)
+    reference_tolerance = {"atol": 2e-5, "rtol": 1e-4}
+    carry_case = "grouped-values-short-chunks"
+    carry_type = SSMCarry
 
+    def build(self, case):
+        return build(case)
 
-def test_slices_match_the_float64_reference():
-    carries = check_recurrent_slices(
-        build(CASES["grouped-values-short-chunks"]),
-        reference_forward=reference_forward,
-        reference_tolerance={"atol": 2e-5, "rtol": 1e-4},
-    )
-    assert all(isinstance(carry, SSMCarry) for carry in carries)
+    def reference_forward(self, layer, hidden, lengths):
+        return reference_forward(layer, hidden, lengths)
 
-
-def test_the_carry_is_the_generation_state_after_the_sequence():
-    """The carry after the last slice holds what generation keeps after the same tokens: the convolution's last
-    inputs and the delta rule's state of the open document."""
-    check_recurrent_slices(
-        build(CASES["grouped-values-short-chunks"]),
-        tolerance=None,
-        slice_lengths=(4,),
-        generation_carry=lambda state: (state.convolution[0].T, state.recurrent[0]),
-    )
+    def generation_carry(self, state):
+        return state.convolution[0].T, state.recurrent[0]

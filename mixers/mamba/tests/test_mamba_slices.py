@@ -10,33 +10,27 @@ from mamba_reference import build, reference_forward
 from test_mamba import CASES
 
 from blockzoo_ssm import SSMCarry
-from blockzoo_testing import ConformanceError, check_recurrent_slices
+from blockzoo_testing import ConformanceError, RecurrentSliceTests, check_recurrent_slices
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_slices_equal_the_whole_forward_and_every_gradient(case):
-    check_recurrent_slices(build(CASES[case]), tolerance=TOLERANCE)
-
-
-@pytest.mark.parametrize("case", ["standard-biases-norms", "grouped-repeat-after-no-biases"])
-def test_slices_match_the_per_token_loop(case):
+class TestMambaSlices(RecurrentSliceTests):
+    cases = CASES
+    tolerance = TOLERANCE
+    reference_cases = ("standard-biases-norms", "grouped-repeat-after-no-biases")
     reference_tolerance = {"atol": 2e-6, "rtol": 1e-5}
-    layer = build(CASES[case])
-    carries = check_recurrent_slices(
-        layer, reference_forward=reference_forward, reference_tolerance=reference_tolerance
-    )
-    assert all(isinstance(carry, SSMCarry) for carry in carries)
+    carry_case = "grouped-repeat-before"
+    carry_type = SSMCarry
 
+    def build(self, case):
+        return build(case)
 
-def test_the_carry_is_the_generation_state_after_the_sequence():
-    """The carry after the last slice holds what generation keeps after the same tokens: the convolution's last
-    inputs and the SSM state of the open document."""
-    layer = build(CASES["grouped-repeat-before"])
-    check_recurrent_slices(
-        layer, tolerance=None, slice_lengths=(4,), generation_carry=lambda state: (state.convolution[0].T, state.ssm[0])
-    )
+    def reference_forward(self, layer, hidden, lengths):
+        return reference_forward(layer, hidden, lengths)
+
+    def generation_carry(self, state):
+        return state.convolution[0].T, state.ssm[0]
 
 
 def test_the_check_sees_a_slice_that_forgets_the_state_before_it():

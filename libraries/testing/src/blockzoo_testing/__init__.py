@@ -12,7 +12,8 @@
   full forward) and `check_forward_slices` (slices of the documents one after the other against the whole forward).
 - `check_recurrent_slices(layer, ...)` (`blockzoo_testing.recurrence`): a recurrent mixer whose carry is a
   convolution's inputs and a scan's state (the Mamba family's) over slices: the whole forward, a float64 reference,
-  and the carry against the generation state.
+  and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
+  cases.
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
   (`blockzoo_testing.parallel`): cases split between gloo ranks against one process, all in one set of processes;
   the second on generated batches whose every slice continues a document (`straddling_lengths`, `layout_problems`:
@@ -54,6 +55,7 @@ _LAZY = {
     "run_layer": "blockzoo_testing.layers",
     "single_process": "blockzoo_testing.layers",
     "check_recurrent_slices": "blockzoo_testing.recurrence",
+    "RecurrentSliceTests": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",
     "check_sequence_data_parallel": "blockzoo_testing.parallel",
     "DETERMINISTIC": "blockzoo_testing.tracking",

@@ -5,13 +5,15 @@ such mixer's tests call, with its own float64 reference and its own generation s
 The layout is fixed on purpose: 16 tokens in documents of 5, 1, 7 and 3; slices of 2 end on the document boundary
 at 6, slices of 4 hold whole short documents and cut the long one, slices of 1 are shorter than a convolution's
 kernel_size - 1. Under sequence-data parallelism: `check_sequence_data_parallel` (blockzoo_testing.parallel).
+`RecurrentSliceTests` runs the check on a table of a mixer's cases as a base test class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+import pytest
 import torch
 
 from blockzoo.layers.base import Batch, Layer, slice_batch
@@ -88,3 +90,70 @@ def _carry_problems(layer, hidden, last_length, carry, generation_carry, toleran
         _mismatch(carry.state, scan_state, tolerance or {"atol": 1e-5, "rtol": 1e-5}, "the carry's state"),
         _mismatch(carry.convolution[-rows:], convolution[-rows:], _INPUTS_TOLERANCE, "the carry's convolution inputs"),
     ]
+
+
+class RecurrentSliceTests:
+    """Base test class: `check_recurrent_slices` on a table of cases of one recurrent mixer. Subclass it in a test
+    module, set the class attributes and define the three methods; pytest runs three tests:
+
+    - `test_slices_equal_the_whole_forward_and_every_gradient`, for each of `cases` (within `tolerance`);
+    - `test_slices_match_the_reference`, for each of `reference_cases` (within `reference_tolerance`), also checking
+      that every carry is a `carry_type`;
+    - `test_the_carry_is_the_generation_state_after_the_sequence`, on `carry_case`, slices of 4 tokens.
+
+    Example::
+
+        class TestSlices(RecurrentSliceTests):
+            cases = CASES  # name -> whatever `build` takes
+            tolerance = {"atol": 1e-5, "rtol": 1e-5}
+            reference_cases = ("small",)
+            reference_tolerance = {"atol": 2e-6, "rtol": 1e-5}
+            carry_case = "small"
+            carry_type = MyCarry
+
+            def build(self, case): return build_my_mixer(case)
+            def reference_forward(self, layer, hidden, lengths): return my_float64_loop(layer, hidden, lengths)
+            def generation_carry(self, state): return state.convolution[0].T, state.ssm[0]
+    """
+
+    cases: ClassVar[Mapping[str, Any]]
+    tolerance: ClassVar[Mapping[str, float]]
+    reference_cases: ClassVar[Sequence[str]]
+    reference_tolerance: ClassVar[Mapping[str, float]]
+    carry_case: ClassVar[str]
+    carry_type: ClassVar[type] = object
+
+    def build(self, case: Any) -> Layer:
+        """The layer of one of `cases`."""
+        raise NotImplementedError(f"{type(self).__name__} must define build(self, case) returning the layer")
+
+    def reference_forward(self, layer: Layer, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The layer's output in float64 with its own parameters (see `check_recurrent_slices`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define reference_forward(self, layer, hidden, lengths)")
+
+    def generation_carry(self, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence 0 of a generation state in the carry's layout (see `check_recurrent_slices`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define generation_carry(self, state)")
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "case" in metafunc.fixturenames:
+            metafunc.parametrize("case", list(self.cases))
+        if "reference_case" in metafunc.fixturenames:
+            metafunc.parametrize("reference_case", list(self.reference_cases))
+
+    def test_slices_equal_the_whole_forward_and_every_gradient(self, case: str) -> None:
+        check_recurrent_slices(self.build(self.cases[case]), tolerance=self.tolerance)
+
+    def test_slices_match_the_reference(self, reference_case: str) -> None:
+        carries = check_recurrent_slices(
+            self.build(self.cases[reference_case]),
+            reference_forward=self.reference_forward,
+            reference_tolerance=self.reference_tolerance,
+        )
+        assert all(isinstance(carry, self.carry_type) for carry in carries)
+
+    def test_the_carry_is_the_generation_state_after_the_sequence(self) -> None:
+        """The carry after the last slice holds what generation keeps after the same tokens: the convolution's last
+        inputs and the scan's state of the open document."""
+        layer = self.build(self.cases[self.carry_case])
+        check_recurrent_slices(layer, tolerance=None, slice_lengths=(4,), generation_carry=self.generation_carry)
