@@ -8,38 +8,16 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tiny_runs import configure as tiny_run
 
-from blockzoo.config import load
 from blockzoo.run_config import RunConfig
 from blockzoo.training.setup import RunSetup, prepare_run
 from blockzoo.training.trainer import Trainer
 
-BASE = {
-    "model": {
-        "hidden_size": 16,
-        "embeddings": {"vocab_size": 257},
-        "decoder": {"num_blocks": 1, "block": {"mixer": {"type": "none"}, "mlp": {"type": "none"}}},
-    },
-    "distributed": {"backend": "gloo"},
-    "data": {
-        "type": "embedded",
-        "sequence_length": 32,
-        "micro_batch_size": 2,
-        "num_documents": 4,
-        "validation_fraction": 0.25,
-    },
-    "training": {
-        "train_iters": 4,
-        "optimizer": {"learning_rate": 0.01},
-        "schedule": {"decay": "constant"},
-        "log_interval": 1,
-        "evaluation": {"interval": 2},
-    },
-}
-
 
 def configure(output_dir: Path, *overrides: str) -> RunConfig:
-    return load(RunConfig, data=BASE, overrides=[f"training.output_dir={output_dir}", *overrides])
+    """The trainer tests' tiny run, evaluated every two steps."""
+    return tiny_run(output_dir, "training.evaluation.interval=2", *overrides)
 
 
 def test_a_new_run_is_set_up_at_step_zero_with_every_part(tmp_path):

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
+from tiny_runs import BASE, VOCAB, configure
 from torch import nn
 
 import blockzoo
 from blockzoo import cli
 from blockzoo.checkpoint import latest_checkpoint
-from blockzoo.config import load
 from blockzoo.data.dataset import Sample, build_dataset
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.distributed.runtime import Distributed
@@ -36,34 +36,6 @@ from blockzoo.training.config import AdamWConfig, ScheduleConfig
 from blockzoo.training.optimizer import AdamW, learning_rate
 from blockzoo.training.trainer import StepRecord, Trainer, TrainingError
 from blockzoo_testing.distributed import run_distributed
-
-VOCAB = 257  # the byte tokenizer of the embedded corpus
-BASE = {
-    "model": {
-        "hidden_size": 16,
-        "embeddings": {"vocab_size": VOCAB},
-        "decoder": {"num_blocks": 1, "block": {"mixer": {"type": "none"}, "mlp": {"type": "none"}}},
-    },
-    "distributed": {"backend": "gloo"},  # CPU, also where CUDA is present
-    "data": {
-        "type": "embedded",
-        "sequence_length": 32,
-        "micro_batch_size": 2,
-        "num_documents": 4,
-        "validation_fraction": 0.25,
-    },
-    "training": {
-        "train_iters": 4,
-        "optimizer": {"learning_rate": 0.01},
-        "schedule": {"decay": "constant"},
-        "log_interval": 1,
-    },
-}
-
-
-def configure(output_dir: Path, *overrides: str) -> RunConfig:
-    """The base run config with `key=value` overrides (as on the command line), writing to `output_dir`."""
-    return load(RunConfig, data=BASE, overrides=[f"training.output_dir={output_dir}", *overrides])
 
 
 def quiet(_: str) -> None:
