@@ -6,17 +6,18 @@ outputs and 3e-2 for gradients (bf16 keeps 8 bits of mantissa; errors add up ove
 A kernel that cannot run here fails with its reason rather than skipping.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from attention_reference import SEED, build
 
 from blockzoo_attention.kernels import KERNELS, select_kernel
-from blockzoo_testing import check_decoding, check_matches_layer, check_padded_batch, single_process
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of any block size.
 CASES = {
     "gqa-window-llama3": {
         "heads": 4,
@@ -32,42 +33,25 @@ KERNEL_DTYPES = [("torch", torch.float32), ("torch", torch.bfloat16), ("flex", t
 KERNEL_DTYPES += [("flex", torch.bfloat16), ("varlen", torch.bfloat16), ("batched", torch.bfloat16)]
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 2e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 3e-2}}
-# Prefill prompts of different lengths, a chunk, then one token at a time.
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize(("implementation", "dtype"), KERNEL_DTYPES, ids=lambda value: str(value))
 def test_kernel_matches_the_cpu_path(case, implementation, dtype):
-    check_matches_layer(
-        build({**CASES[case], "implementation": implementation}, single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu({**CASES[case], "implementation": implementation}, dtype, cpu_config=CASES[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_batched_kernel_on_documents_of_one_length(case):
     """The batched path (SDPA over [documents, heads, length, head_size]) where every document has one length."""
-    config = {**CASES[case], "window_size": None, "implementation": "batched"}
-    check_matches_layer(
-        build(config, single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build({**CASES[case], "window_size": None}, hidden=HIDDEN),
-        lengths=[64, 64, 64],
-        dtype=torch.bfloat16,
-        output_tolerance=OUTPUT_TOLERANCE[torch.bfloat16],
-        gradient_tolerance=GRADIENT_TOLERANCE[torch.bfloat16],
-    )
+    config = {**CASES[case], "window_size": None}
+    CUDA.check_matches_cpu({**config, "implementation": "batched"}, torch.bfloat16, cpu_config=config, lengths=[64] * 3)
 
 
 @pytest.mark.parametrize(("implementation", "dtype"), [("varlen", torch.bfloat16), ("flex", torch.bfloat16)])
 def test_kv_cache_decoding_equals_the_full_forward(implementation, dtype):
-    gpu = single_process(SEED, backend="nccl")
-    layer = build({**CASES["gqa-window-llama3"], "implementation": implementation}, gpu, hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[dtype], dtype=dtype, **DECODING)
+    CUDA.check_decoding({**CASES["gqa-window-llama3"], "implementation": implementation}, dtype)
 
 
 def test_auto_picks_the_gpu_kernels():
@@ -80,5 +64,4 @@ def test_auto_picks_the_gpu_kernels():
 @pytest.mark.parametrize("implementation", ["varlen", "batched"])
 def test_padded_batches_equal_exact_ones(case, implementation):
     """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
-    layer = build({**CASES[case], "implementation": implementation}, single_process(SEED, backend="nccl"), HIDDEN)
-    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})
+    CUDA.check_padded_batch({**CASES[case], "implementation": implementation})

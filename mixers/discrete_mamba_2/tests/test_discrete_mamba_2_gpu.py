@@ -6,22 +6,17 @@ Tolerances are relative errors ‖x − reference‖ / ‖reference‖: fp32 2e-
 3e-2 for outputs and 5e-2 for gradients (8 bits of mantissa, errors adding up over the projections and the scan).
 """
 
+from functools import partial
+
 import pytest
 import torch
 from dm2_reference import SEED, build
 
-from blockzoo_testing import (
-    check_decoding,
-    check_forward_slices,
-    check_matches_layer,
-    check_padded_batch,
-    single_process,
-)
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of the chunk size.
 CASES = {
     "grouped-identity": {"heads": 8, "groups": 2, "head_size": 16, "state_size": 16, "chunk_size": 64},
     "silu-biases": {
@@ -41,39 +36,27 @@ GRADIENT_TOLERANCE = {torch.float32: {"relative": 2e-3}, torch.bfloat16: {"relat
 # TF32 chunk the slices differently from the whole batch.
 SLICE_LENGTHS = (2, 64)
 SLICE_TOLERANCE = {"relative": 5e-3}
-# Prefill prompts of different lengths, a chunk, then one token at a time.
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_matches_the_cpu_path(case, dtype):
-    check_matches_layer(
-        build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu(CASES[case], dtype)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_slices_equal_the_whole_forward(case):
     """forward_slice on CUDA (mamba_ssm's SSD kernel from an initial state, with its final state; the Triton
     convolution reading the inputs before the slice) over consecutive slices against the whole CUDA forward."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    for slice_length in SLICE_LENGTHS:
-        check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
+    CUDA.check_slices(CASES[case], SLICE_LENGTHS, SLICE_TOLERANCE)
 
 
 def test_cuda_decoding_equals_the_full_forward():
-    layer = build(CASES["grouped-identity"], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+    CUDA.check_decoding(CASES["grouped-identity"])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_padded_batches_equal_exact_ones(case):
     """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})
+    CUDA.check_padded_batch(CASES[case])

@@ -8,16 +8,17 @@ Tolerances are relative errors ‖x − reference‖ / ‖reference‖, those of
 and 1e-2 for gradients (Triton multiplies fp32 in TF32), bf16 3e-2 and 5e-2.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from gated_delta_net_reference import AROUND_ONE, RANDOM, SEED, STRONG_DECAY, build
 
-from blockzoo_testing import check_decoding, check_matches_layer, check_padded_batch, single_process
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of the chunk size (64).
 CASES = {
     "grouped-values": {
         "key_heads": 2,
@@ -38,27 +39,18 @@ CASES = {
 }
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 5e-3}, torch.bfloat16: {"relative": 3e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-2}, torch.bfloat16: {"relative": 5e-2}}
-# Prefill prompts of different lengths, a chunk, then one token at a time.
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_matches_the_cpu_path(case, dtype):
-    check_matches_layer(
-        build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu(CASES[case], dtype)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_decoding_equals_the_full_forward(case):
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+    CUDA.check_decoding(CASES[case])
 
 
 def test_the_kernel_is_installed_and_taken():
@@ -103,8 +95,7 @@ def test_fla_forward_matches_the_torch_path(initial_state):
 @pytest.mark.parametrize("case", CASES)
 def test_padded_batches_equal_exact_ones(case):
     """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})
+    CUDA.check_padded_batch(CASES[case])
 
 
 # blockzoo's Triton kernels at a realistic shape: 2 documents of 1000 and 3000 tokens (odd, not chunk multiples),

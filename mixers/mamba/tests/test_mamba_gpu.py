@@ -6,22 +6,17 @@ Tolerances are relative errors ‖x − reference‖ / ‖reference‖: fp32 1e-
 outputs and 5e-2 for gradients (bf16 keeps 8 bits of mantissa; errors add up over the projections and the scan).
 """
 
+from functools import partial
+
 import pytest
 import torch
 from mamba_reference import SEED, build
 
-from blockzoo_testing import (
-    check_decoding,
-    check_forward_slices,
-    check_matches_layer,
-    check_padded_batch,
-    single_process,
-)
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of any block size.
 RANDOM_BIAS = {"bias": {"initialization": {"type": "normal", "std": 0.5}}}
 CASES = {
     "standard-norms": {
@@ -39,8 +34,7 @@ GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relat
 # Slices of the 256 tokens: documents straddle them; 2 is shorter than the convolution's window.
 SLICE_LENGTHS = (2, 64)
 SLICE_TOLERANCE = {"relative": 1e-3}
-# Prefill prompts of different lengths, a chunk, then one token at a time.
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -53,35 +47,23 @@ def test_cuda_matches_the_cpu_path(case, dtype, monkeypatch):
     monkeypatch.setattr(
         triton_selective_scan, "selective_scan_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_matches_layer(
-        layer,
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu(CASES[case], dtype)
     assert calls, "the CUDA forward did not take the Triton selective scan"
 
 
 @pytest.mark.parametrize("case", ["standard-norms", "grouped-repeat-after"])
 def test_generation_on_cuda_equals_the_full_forward(case):
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+    CUDA.check_decoding(CASES[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_slices_equal_the_whole_forward(case):
     """forward_slice on CUDA (the Triton selective scan from an initial state, with final states; the Triton
     convolution reading the inputs before the slice) over consecutive slices against the whole CUDA forward."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    for slice_length in SLICE_LENGTHS:
-        check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
+    CUDA.check_slices(CASES[case], SLICE_LENGTHS, SLICE_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_padded_batches_equal_exact_ones(case):
     """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})
+    CUDA.check_padded_batch(CASES[case])

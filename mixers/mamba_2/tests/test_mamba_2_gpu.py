@@ -10,22 +10,17 @@ outputs and 1e-2 for gradients (mamba_ssm's kernels multiply fp32 in TF32, about
 (bf16 keeps 8 bits of mantissa; the scan and projections add errors up).
 """
 
+from functools import partial
+
 import pytest
 import torch
 from mamba_2_reference import AROUND_ONE, RANDOM, SEED, build
 
-from blockzoo_testing import (
-    check_decoding,
-    check_forward_slices,
-    check_matches_layer,
-    check_padded_batch,
-    single_process,
-)
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of the chunk size.
 CASES = {
     "groups-per-group-norm": {
         "heads": 8,
@@ -81,8 +76,7 @@ GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-2}, torch.bfloat16: {"relat
 # TF32 chunk the slices differently from the whole batch.
 SLICE_LENGTHS = (2, 64)
 SLICE_TOLERANCE = {"relative": 1e-2}
-# Prefill prompts of different lengths, a chunk, then one token at a time.
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -90,29 +84,19 @@ DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
 @pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute_convolution"])
 def test_cuda_matches_the_cpu_path(case, dtype, recompute):
     config = {**CASES[case], "recompute_convolution": recompute}  # the CPU reference: the plain path
-    check_matches_layer(
-        build(config, single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu(config, dtype, cpu_config=CASES[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_slices_equal_the_whole_forward(case):
     """forward_slice on CUDA (mamba_ssm's SSD kernel from an initial state, with its final state; the Triton
     convolution reading the inputs before the slice) over consecutive slices against the whole CUDA forward."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    for slice_length in SLICE_LENGTHS:
-        check_forward_slices(layer, lengths=LENGTHS, slice_length=slice_length, tolerance=SLICE_TOLERANCE)
+    CUDA.check_slices(CASES[case], SLICE_LENGTHS, SLICE_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", ["groups-per-group-norm", "norm-before-gate", "no-norm"])
 def test_cuda_decoding_equals_the_full_forward(case):
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.float32], **DECODING)
+    CUDA.check_decoding(CASES[case])
 
 
 def test_the_kernels_are_installed():
@@ -125,5 +109,4 @@ def test_the_kernels_are_installed():
 @pytest.mark.parametrize("case", CASES)
 def test_padded_batches_equal_exact_ones(case):
     """What `training.cuda_graphs` runs: empty documents first, max_length a bound."""
-    layer = build(CASES[case], single_process(SEED, backend="nccl"), hidden=HIDDEN)
-    check_padded_batch(layer, lengths=LENGTHS, dtype=torch.bfloat16, tolerance={"relative": 1e-2})
+    CUDA.check_padded_batch(CASES[case])

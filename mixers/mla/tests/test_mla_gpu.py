@@ -6,16 +6,17 @@ Run on a GPU machine (skipped without CUDA).
 Tolerances as the attention plugin's GPU tests: relative errors fp32 1e-3 (TF32), bf16 2e-2 outputs, 3e-2 gradients.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from mla_reference import SEED, build
 
-from blockzoo_testing import check_decoding, check_forward_slices, check_matches_layer, single_process
+from blockzoo_testing import CudaComparison
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN = 64
-LENGTHS = [37, 1, 90, 128]  # Not multiples of any block size.
 CASES = {
     # DeepSeek-V3's proportions, small: nope 32 + rotary 16 = 48 per query/key head, values of 32.
     "low-rank-query-interleaved": {
@@ -40,39 +41,24 @@ KERNEL_DTYPES = [("torch", torch.float32), ("torch", torch.bfloat16), ("flex", t
 KERNEL_DTYPES += [("varlen", torch.bfloat16), ("batched", torch.bfloat16)]
 OUTPUT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 2e-2}}
 GRADIENT_TOLERANCE = {torch.float32: {"relative": 1e-3}, torch.bfloat16: {"relative": 3e-2}}
-DECODING = {"lengths": [40, 29], "steps": [[36, 20], [2, 7], [1, 1], [1, 1]]}
+CUDA = CudaComparison(partial(build, hidden=HIDDEN), SEED, OUTPUT_TOLERANCE, GRADIENT_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize(("implementation", "dtype"), KERNEL_DTYPES, ids=lambda value: str(value))
 def test_kernel_matches_the_cpu_path(case, implementation, dtype):
-    check_matches_layer(
-        build({**CASES[case], "implementation": implementation}, single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=LENGTHS,
-        dtype=dtype,
-        output_tolerance=OUTPUT_TOLERANCE[dtype],
-        gradient_tolerance=GRADIENT_TOLERANCE[dtype],
-    )
+    CUDA.check_matches_cpu({**CASES[case], "implementation": implementation}, dtype, cpu_config=CASES[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_batched_kernel_on_documents_of_one_length(case):
-    check_matches_layer(
-        build({**CASES[case], "implementation": "batched"}, single_process(SEED, backend="nccl"), hidden=HIDDEN),
-        build(CASES[case], hidden=HIDDEN),
-        lengths=[64, 64, 64],
-        dtype=torch.bfloat16,
-        output_tolerance=OUTPUT_TOLERANCE[torch.bfloat16],
-        gradient_tolerance=GRADIENT_TOLERANCE[torch.bfloat16],
-    )
+    config = {**CASES[case], "implementation": "batched"}
+    CUDA.check_matches_cpu(config, torch.bfloat16, cpu_config=CASES[case], lengths=[64] * 3)
 
 
 @pytest.mark.parametrize("absorbed", [True, False])
 def test_latent_cache_decoding_equals_the_full_forward(absorbed):
-    gpu = single_process(SEED, backend="nccl")
-    layer = build({**CASES["low-rank-query-interleaved"], "absorbed_decoding": absorbed}, gpu, hidden=HIDDEN)
-    check_decoding(layer, tolerance=OUTPUT_TOLERANCE[torch.bfloat16], dtype=torch.bfloat16, **DECODING)
+    CUDA.check_decoding({**CASES["low-rank-query-interleaved"], "absorbed_decoding": absorbed}, torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -80,6 +66,5 @@ def test_latent_cache_decoding_equals_the_full_forward(absorbed):
 def test_kernels_over_slices_give_their_whole_forward(case, implementation):
     """Micro-sequences of 64 tokens in bf16 (each attending to the carried latents, varlen's keys as segments of the
     stretch) against the same kernel's whole forward."""
-    distributed = single_process(SEED, backend="nccl", compute_dtype="bf16")
-    layer = build({**CASES[case], "implementation": implementation}, distributed, hidden=HIDDEN)
-    check_forward_slices(layer, lengths=LENGTHS, slice_length=64, tolerance={"relative": 3e-2}, dtype=torch.bfloat16)
+    config = {**CASES[case], "implementation": implementation}
+    CUDA.check_slices(config, [64], {"relative": 3e-2}, dtype=torch.bfloat16, compute_dtype="bf16")

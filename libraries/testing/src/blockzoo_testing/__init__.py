@@ -14,6 +14,8 @@
   convolution's inputs and a scan's state (the Mamba family's) over slices: the whole forward, a float64 reference,
   and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
   cases.
+- `CudaComparison(build, seed, output_tolerance, gradient_tolerance)` (`blockzoo_testing.cuda`): a plugin's GPU
+  tests, the layer on CUDA against its CPU path (outputs and gradients, slices, decoding, padded batches).
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
   (`blockzoo_testing.parallel`): cases split between gloo ranks against one process, all in one set of processes;
   the second on generated batches whose every slice continues a document (`straddling_lengths`, `layout_problems`:
@@ -55,6 +57,7 @@ _LAZY = {
     "run_layer": "blockzoo_testing.layers",
     "single_process": "blockzoo_testing.layers",
     "check_recurrent_slices": "blockzoo_testing.recurrence",
+    "CudaComparison": "blockzoo_testing.cuda",
     "RecurrentSliceTests": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",
     "check_sequence_data_parallel": "blockzoo_testing.parallel",
