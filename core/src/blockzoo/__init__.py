@@ -6,10 +6,9 @@ assembled from are here too (docs/python-api.md); each layer's config comes from
 (`blockzoo_attention.AttentionConfig`, `blockzoo_mamba_2.Mamba2Config`, `blockzoo_mlp.DenseMLPConfig`, ...).
 """
 
-import importlib
 import importlib.metadata
-from typing import Any
 
+from blockzoo._lazy import lazy_attributes
 from blockzoo.plugins import hookimpl
 
 # The installed distribution's version: core/pyproject.toml is its one source.
@@ -43,7 +42,4 @@ _API = {
 __all__ = ["__version__", "hookimpl", *_API]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'blockzoo' has no attribute {name!r}")
+__getattr__ = lazy_attributes(globals(), _API)

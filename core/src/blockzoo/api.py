@@ -6,9 +6,7 @@ module can `from blockzoo.api import MixerConfig, configclass, field` without im
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from blockzoo._lazy import lazy_attributes
 from blockzoo.benchmarks.base import Benchmark, BenchmarkConfig, BenchmarkResult
 from blockzoo.config import (
     Config,
@@ -190,9 +188,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'blockzoo.api' has no attribute {name!r}")
+__getattr__ = lazy_attributes(globals(), _LAZY, keep=True)

@@ -6,10 +6,9 @@ Torch-free to import: the configs live in `blockzoo.data.config`; the datasets (
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from typing import Any
 
+from blockzoo._lazy import lazy_attributes
 from blockzoo.data import formats
 from blockzoo.data.config import (
     BlendedDatasetConfig,
@@ -40,10 +39,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'blockzoo.data' has no attribute {name!r}")
+__getattr__ = lazy_attributes(globals(), _LAZY)
 
 
 def register(register: Callable) -> None:
