@@ -15,7 +15,7 @@ from blockzoo.data.config import DatasetConfig, MemmapDatasetConfig
 from blockzoo.data.dataset import build_dataset
 from blockzoo.data.errors import DatasetError
 from blockzoo.data.storage import DatasetWriter
-from blockzoo.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer
+from blockzoo.data.tokenizer import ByteTokenizer, FileTokenizer
 
 LENGTH = 8
 
@@ -271,7 +271,7 @@ def test_sources_of_different_tokenizers_or_vocabularies_are_refused_naming_both
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     model.save(str(tmp_path / "tokenizer.json"))
-    words = HuggingFaceTokenizer(tmp_path / "tokenizer.json")
+    words = FileTokenizer(tmp_path / "tokenizer.json")
     hf = write(tmp_path / "words", [[1, 2, 1, 2, 1, 2, 1, 2, 1]] * 4, tokenizer=words)
     with pytest.raises(DatasetError) as caught:
         build_dataset(blend({"web": {"weight": 1, "path": sources["web"]}, "words": {"weight": 1, "path": hf}}), seed=0)

@@ -26,7 +26,7 @@ import attrs
 from blockzoo.data.config import BlendedDatasetConfig, BlendSourceConfig, MemmapDatasetConfig
 from blockzoo.data.dataset import Dataset, Sample, _next_sample, build_dataset
 from blockzoo.data.errors import DatasetError
-from blockzoo.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer
+from blockzoo.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, FileTokenizer, Tokenizer
 
 
 class BlendIndex:
@@ -204,9 +204,9 @@ def _tokenizer_identity(dataset: Dataset) -> tuple[tuple, str]:
         return ("none", dataset.vocab_size), f"no tokenizer, {vocabulary}"
     if isinstance(tokenizer, ByteTokenizer):
         return ("byte", dataset.vocab_size), f"the byte tokenizer, {vocabulary}"
-    if isinstance(tokenizer, HuggingFaceTokenizer):  # a copy of one tokenizer.json per prepared dataset: by content
+    if isinstance(tokenizer, FileTokenizer):  # a copy of one tokenizer.json per prepared dataset: by content
         digest = hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
         eod = f", end of document {tokenizer.eod_token!r}" if tokenizer.eod_token is not None else ""
-        identity = ("huggingface", digest, tokenizer.eod_token, dataset.vocab_size)
+        identity = (TOKENIZER_FILE, digest, tokenizer.eod_token, dataset.vocab_size)
         return identity, f"the tokenizer {tokenizer.path} (sha256 {digest[:12]}{eod}), {vocabulary}"
     return (type(tokenizer).__qualname__, dataset.vocab_size), f"a {type(tokenizer).__name__}, {vocabulary}"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from blockzoo.data.memmap import open_store
 from blockzoo.data.storage import DatasetFiles, read_metadata, tokenizer_of
+from blockzoo.data.tokenizer import TOKENIZER_FILE
 
 _LISTED = 20  # sources and shards listed; a corpus of thousands of files is summed up
 
@@ -19,7 +20,7 @@ def describe(prefix: str | Path, *, samples: int = 3, characters: int = 300) -> 
     tokenizer = tokenizer_of(files, metadata)
     documents, tokens = metadata["num_documents"], metadata["num_tokens"]
     described = metadata["tokenizer"]["type"]
-    if described == "huggingface":
+    if described == TOKENIZER_FILE:
         described = f"Hugging Face {files.tokenizer}, end of document {metadata['tokenizer'].get('eod_token')!r}"
     lines = [
         f"dataset    {files.prefix} (format version {metadata['version']})",

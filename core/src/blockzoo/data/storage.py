@@ -8,8 +8,8 @@ A dataset with path prefix `P` (say `data/tokens`) is one or more *shards*, each
   `[offsets[d], offsets[d + 1])`; the first offset is 0, the last the number of tokens, every document has
   at least one token;
 - `P.json`: metadata: format and version, token dtype, vocabulary size, counts, the end-of-document id, the
-  tokenizer (`{"type": "byte"}` or `{"type": "huggingface", "eod_token": ...}`, whose `tokenizer.json` is copied
-  to `P.tokenizer.json`), the input files, and the shards in order (`{"name", "num_documents", "num_tokens"}`,
+  tokenizer (`{"type": "byte"}`, or `{"type": TOKENIZER_FILE, "eod_token": ...}` for a `tokenizer.json`, which is
+  copied to `P.tokenizer.json`), the input files, and the shards in order (`{"name", "num_documents", "num_tokens"}`,
   names relative to P's directory). The documents of the dataset are those of its shards, in that order.
 A dataset of one shard names it `P` (`P.bin`, `P.idx`, the layout of format version 1, which had no shard list);
 several are `P.00000`, `P.00001`, ...
@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from blockzoo.data.errors import DatasetError
-from blockzoo.data.tokenizer import BYTE, HUGGING_FACE, ByteTokenizer, HuggingFaceTokenizer, Tokenizer
+from blockzoo.data.tokenizer import BYTE, TOKENIZER_FILE, ByteTokenizer, FileTokenizer, Tokenizer
 
 FORMAT = "blockzoo-tokens"
 VERSION = 2  # 2: the shard list; 1: one pair of files named after the prefix
@@ -197,7 +197,7 @@ def finish_dataset(
     for shard in files.shards(metadata):
         os.replace(temporary(shard.tokens), shard.tokens)
         os.replace(temporary(shard.index), shard.index)
-    if isinstance(tokenizer, HuggingFaceTokenizer):
+    if isinstance(tokenizer, FileTokenizer):
         shutil.copyfile(tokenizer.path, temporary(files.tokenizer))
         os.replace(temporary(files.tokenizer), files.tokenizer)
     else:
@@ -299,7 +299,7 @@ def read_metadata(files: DatasetFiles) -> dict[str, Any]:
         )
     if metadata["dtype"] not in TOKEN_DTYPES:
         raise DatasetError(f"{path}: unknown token dtype {metadata['dtype']!r} (known: {', '.join(TOKEN_DTYPES)})")
-    if metadata["tokenizer"].get("type") not in (BYTE, HUGGING_FACE):
+    if metadata["tokenizer"].get("type") not in (BYTE, TOKENIZER_FILE):
         raise DatasetError(f"{path}: unknown tokenizer {metadata['tokenizer']!r}")
     if metadata["version"] < 2:
         metadata["shards"] = [
@@ -338,6 +338,6 @@ def _check_shards(path: Path, metadata: dict[str, Any]) -> None:
 
 def tokenizer_of(files: DatasetFiles, metadata: dict[str, Any]) -> Tokenizer:
     """The tokenizer a dataset was prepared with."""
-    if metadata["tokenizer"]["type"] == HUGGING_FACE:
-        return HuggingFaceTokenizer(files.tokenizer, metadata["tokenizer"].get("eod_token"))
+    if metadata["tokenizer"]["type"] == TOKENIZER_FILE:
+        return FileTokenizer(files.tokenizer, metadata["tokenizer"].get("eod_token"))
     return ByteTokenizer()

@@ -1,5 +1,5 @@
-"""Tokenizers: the built-in byte-level one, and Hugging Face `tokenizer.json` files through the optional
-`tokenizers` package (imported only when such a file is used). Torch-free.
+"""Tokenizers: the built-in byte-level one, and `tokenizer.json` files (the `tokenizers` library's format) through the
+optional `tokenizers` package (imported only when such a file is used). Torch-free.
 
 The byte tokenizer maps text to its UTF-8 bytes (ids 0-255) and has one special token, id 256
 (`<|endoftext|>`), that `blockzoo prepare` appends to every document; its vocabulary size is 257.
@@ -16,7 +16,8 @@ from blockzoo.conversion import Origin, read_json
 from blockzoo.data.errors import DatasetError
 
 BYTE = "byte"
-HUGGING_FACE = "huggingface"
+# The type a dataset's metadata records for a `tokenizer.json`: the name datasets have always been written with.
+TOKENIZER_FILE = "huggingface"
 EOD_TEXT = "<|endoftext|>"  # the byte tokenizer's end of a document, as text
 
 
@@ -41,7 +42,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def hugging_face_files(self) -> dict[str, str]:
-        """The files (name -> text) of an equivalent Hugging Face tokenizer, which `tokenizers` and transformers'
+        """The files (name -> text) of an equivalent Hugging Face tokenizer, which `tokenizers` and Hugging Face's
         `AutoTokenizer` load and which encode text to the same ids: what an export to a Hugging Face format writes
         beside the weights when the model came with no tokenizer of its own."""
         raise NotImplementedError
@@ -90,9 +91,9 @@ class ByteTokenizer(Tokenizer):
         return files | _end_of_document(EOD_TEXT, self.eod_token_id)
 
 
-class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face `tokenizer.json`. Encoding adds the special tokens its post-processor defines (a BOS
-    token, for instance); `eod_token`, when given, names the token that ends each document."""
+class FileTokenizer(Tokenizer):
+    """A `tokenizer.json` (the `tokenizers` library's format). Encoding adds the special tokens its post-processor
+    defines (a BOS token, for instance); `eod_token`, when given, names the token that ends each document."""
 
     def __init__(self, path: str | Path, eod_token: str | None = None):
         self.path = Path(path)
@@ -103,7 +104,7 @@ class HuggingFaceTokenizer(Tokenizer):
             import tokenizers
         except ImportError:
             raise DatasetError(
-                f"reading the Hugging Face tokenizer {self.path} needs the `tokenizers` package: pip install tokenizers"
+                f"reading the tokenizer {self.path} needs the `tokenizers` package: pip install tokenizers"
             ) from None
         try:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
@@ -129,15 +130,18 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def to_metadata(self) -> dict[str, Any]:
-        return {"type": HUGGING_FACE, "eod_token": self.eod_token}
+        return {"type": TOKENIZER_FILE, "eod_token": self.eod_token}
 
     def hugging_face_files(self) -> dict[str, str]:
         text = self.path.read_text(encoding="utf-8")
         return {"tokenizer.json": text, **_end_of_document(self.eod_token, self.eod_token_id)}
 
 
+HuggingFaceTokenizer = FileTokenizer  # its former name, which `blockzoo.api` and existing imports use
+
+
 def _end_of_document(token: str | None, token_id: int | None) -> dict[str, str]:
-    """transformers' `tokenizer_config.json` (the tokenizer.json as it is, with no model's class adding its own
+    """Hugging Face's `tokenizer_config.json` (the tokenizer.json as it is, with no model's class adding its own
     special tokens) and `generation_config.json`: the end-of-document token ends a sequence and a generation."""
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if token is None:
@@ -158,7 +162,7 @@ def _byte_characters() -> list[str]:
 
 
 def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokenizer:
-    """`"byte"`, or the path of a Hugging Face `tokenizer.json` (or of a directory holding one)."""
+    """`"byte"`, or the path of a `tokenizer.json` (or of a directory holding one)."""
     if str(spec) == BYTE:
         if eod_token is not None:
             raise DatasetError(f"the byte tokenizer's end-of-document token is fixed; do not give one ({eod_token!r})")
@@ -166,7 +170,7 @@ def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokeniz
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
-    return HuggingFaceTokenizer(path, eod_token)
+    return FileTokenizer(path, eod_token)
 
 
 def origin_tokenizer(origin: Origin | None) -> tuple[Tokenizer, list[int]] | None:
@@ -174,7 +178,7 @@ def origin_tokenizer(origin: Origin | None) -> tuple[Tokenizer, list[int]] | Non
     end a generation (`eos_token_id` of its generation_config.json, else of its config.json); None without one."""
     if origin is None or "tokenizer.json" not in origin.files:
         return None
-    tokenizer = HuggingFaceTokenizer(origin.directory / "tokenizer.json")
+    tokenizer = FileTokenizer(origin.directory / "tokenizer.json")
     stop: Any = None
     for name in ("generation_config.json", "config.json"):
         if stop is None and name in origin.files:
