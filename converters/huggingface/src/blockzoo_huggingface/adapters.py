@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from blockzoo.conversion import Concatenated, ConversionError, Weight, get_format, read_json
 from blockzoo.peft.apply import adapters
-from blockzoo.peft.config import LoraConfig
+from blockzoo_lora.config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
