@@ -11,7 +11,14 @@ from attention_reference import build, reference_forward
 from blockzoo.layers.base import Batch
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import KERNELS, Segments, TorchKernel, select_kernel
-from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
+from blockzoo_testing import (
+    check_decoding,
+    check_generation_refusals,
+    check_matches_reference,
+    check_packed_documents,
+    layer_inputs,
+    layer_signature,
+)
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.
@@ -57,10 +64,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_per_token_loop(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=2e-6, rtol=1e-5)
 
 
 def test_qkv_biases_without_dense_bias():
@@ -95,12 +99,8 @@ def test_kv_cache_decoding_equals_the_full_forward(case):
 
 def test_kv_cache_errors():
     layer = build(SMALL)
-    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
+    state = check_generation_refusals(layer, holder="cache")
     hidden, _ = layer_inputs(3)
-    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
-        layer(hidden, Batch([2, 1]), state)
-    with pytest.raises(ValueError, match="the batch has 1 sequences but the cache holds 2"):
-        layer(hidden, Batch([3], past_lengths=[0]), state)
     with pytest.raises(ValueError, match="sequences of up to 5 tokens exceed the cache's 4"):
         layer(hidden, Batch([2, 1], past_lengths=[3, 0]), state)
     with pytest.raises(ValueError, match="generation needs causal attention"):
@@ -256,8 +256,5 @@ def test_flops_against_a_hand_count():
 
 def test_hidden_size_differs_from_heads_times_head_size():
     layer = build({"heads": 3, "head_groups": 1, "head_size": 6}, hidden=10)
-    hidden, _ = layer_inputs(6, 10)
-    with torch.no_grad():
-        output = layer(hidden, Batch([4, 2]))
+    output = check_matches_reference(layer, reference_forward, lengths=[4, 2], atol=2e-6, rtol=1e-5)
     assert output.shape == (6, 10) and layer.query.weight.shape == (18, 10) and layer.dense.weight.shape == (10, 18)
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-6, rtol=1e-5)

@@ -13,7 +13,14 @@ import blockzoo
 import blockzoo_discrete_mamba_2.mixer as mixer_module
 from blockzoo.layers.base import Batch
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
-from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
+from blockzoo_testing import (
+    check_decoding,
+    check_generation_refusals,
+    check_matches_reference,
+    check_packed_documents,
+    layer_inputs,
+    layer_signature,
+)
 
 LENGTHS = [7, 1, 10]  # Not multiples of the chunk size (4); one document shorter than the convolution.
 CASES = {
@@ -39,10 +46,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_step_by_step_loop(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=1e-5, rtol=1e-5)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["grouped-identity", "z-bias-no-conv-bias-mha"])
@@ -93,12 +97,7 @@ def test_decoding_equals_the_full_forward(case):
 
 def test_generation_state_errors():
     layer = build(SMALL)
-    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = layer_inputs(3)
-    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
-        layer(hidden, Batch([2, 1]), state)
-    with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
-        layer(hidden, Batch([3], past_lengths=[0]), state)
+    check_generation_refusals(layer)
 
 
 def test_new_state_shapes():

@@ -18,7 +18,15 @@ from gated_delta_net_reference import (
 import blockzoo_gated_delta_net.delta_rule as delta_rule_module
 from blockzoo.api import Batch, ConfigError
 from blockzoo_gated_delta_net.delta_rule import gated_delta_rule
-from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, run_layer, single_process
+from blockzoo_testing import (
+    check_bf16_compute,
+    check_decoding,
+    check_generation_refusals,
+    check_matches_reference,
+    check_packed_documents,
+    layer_inputs,
+    single_process,
+)
 
 LENGTHS = [5, 1, 7]  # Not multiples of the chunk size (4), and a document of one token.
 SMALL = {"key_heads": 2, "value_heads": 4, "key_head_size": 4, "value_head_size": 3, "chunk_size": 4}
@@ -105,10 +113,7 @@ def test_one_token_steps_take_the_recurrent_form(monkeypatch):
 @pytest.mark.parametrize("case", CASES)
 def test_matches_the_float64_reference(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-5, rtol=1e-4)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -161,24 +166,13 @@ def test_generation_state_equals_the_full_forward(case):
 
 def test_bf16_compute_is_close_to_fp32():
     """Activations in bf16 (master weights fp32): the output keeps the dtype, gradients reach fp32 weights."""
-    hidden, loss_weights = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        expected = build(CASES["grouped-values"])(hidden, Batch(LENGTHS))
     layer = build(CASES["grouped-values"], single_process(SEED, compute_dtype="bf16"))
-    output, input_grad, grads = run_layer(layer, hidden.bfloat16(), Batch(LENGTHS), loss_weights)
-    assert output.dtype == input_grad.dtype == torch.bfloat16
-    assert all(gradient.dtype == torch.float32 and bool(torch.isfinite(gradient).all()) for gradient in grads.values())
-    assert float((output.float() - expected).norm() / expected.norm()) < 3e-2
+    check_bf16_compute(layer, build(CASES["grouped-values"]), lengths=LENGTHS)
 
 
 def test_generation_state_errors():
     layer = build(SMALL)
-    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = layer_inputs(3)
-    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
-        layer(hidden, Batch([2, 1]), state)
-    with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
-        layer(hidden, Batch([3], past_lengths=[0]), state)
+    check_generation_refusals(layer)
 
 
 def test_chunk_size_changes_only_rounding():

@@ -9,7 +9,13 @@ from mamba_reference import build, reference_forward
 
 from blockzoo.layers.base import Batch
 from blockzoo_mamba.config import ConvolutionConfig, MambaConfig
-from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs, layer_signature
+from blockzoo_testing import (
+    check_decoding,
+    check_generation_refusals,
+    check_matches_reference,
+    check_packed_documents,
+    layer_signature,
+)
 
 LENGTHS = [5, 1, 7]
 # Biases and norm weights start at zeros and ones by default: give them values so that they matter.
@@ -67,10 +73,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_step_by_step_reference(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -147,22 +150,14 @@ def test_generation_state_shapes_and_errors():
     assert state.convolution.shape == (3, 8, 1) and state.convolution.dtype == torch.bfloat16
     assert state.ssm.shape == (3, 24, 4) and state.ssm.dtype == torch.float32
     layer = build({"state_size": 4})
-    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = layer_inputs(3)
-    with pytest.raises(ValueError, match=r"a generation state needs `batch\.past_lengths`"):
-        layer(hidden, Batch([2, 1]), state)
-    with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
-        layer(hidden, Batch([3], past_lengths=[0]), state)
+    check_generation_refusals(layer, missing_past=r"a generation state needs `batch\.past_lengths`")
 
 
 def test_hidden_size_sets_the_default_sizes():
     layer = build({"state_size": 4}, hidden=40)  # inner 2 × 40, dt_rank ceil(40 / 16) = 3
     assert layer.in_proj.weight.shape == (160, 40) and layer.dt_proj.weight.shape == (80, 3)
     assert build({"state_size": 4, "expand": 3}, hidden=8).in_proj.weight.shape == (48, 8)
-    hidden, _ = layer_inputs(6, 40)
-    with torch.no_grad():
-        output = layer(hidden, Batch([4, 2]))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-6, rtol=1e-5)
+    check_matches_reference(layer, reference_forward, lengths=[4, 2], atol=2e-6, rtol=1e-5)
 
 
 def test_a_grouped_layout_the_hidden_size_cannot_split_is_refused():

@@ -11,11 +11,13 @@ from blockzoo.layers.base import Batch
 from blockzoo_mamba_2.config import ConvolutionConfig, GatedNormalizationConfig, Mamba2Config
 from blockzoo_testing import (
     LayerSignature,
+    check_bf16_compute,
     check_decoding,
+    check_generation_refusals,
+    check_matches_reference,
     check_packed_documents,
     layer_inputs,
     layer_signature,
-    run_layer,
     single_process,
 )
 
@@ -67,10 +69,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_per_token_loop(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-5, rtol=1e-4)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -148,24 +147,13 @@ def test_generation_state_equals_the_full_forward(case):
 
 def test_bf16_compute_is_close_to_fp32():
     """Activations in bf16 (master weights fp32): the output keeps the dtype, gradients reach fp32 weights."""
-    hidden, loss_weights = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        expected = build(CASES["groups-per-group-norm"])(hidden, Batch(LENGTHS))
     layer = build(CASES["groups-per-group-norm"], single_process(SEED, compute_dtype="bf16"))
-    output, input_grad, grads = run_layer(layer, hidden.bfloat16(), Batch(LENGTHS), loss_weights)
-    assert output.dtype == input_grad.dtype == torch.bfloat16
-    assert all(gradient.dtype == torch.float32 and bool(torch.isfinite(gradient).all()) for gradient in grads.values())
-    assert float((output.float() - expected).norm() / expected.norm()) < 3e-2
+    check_bf16_compute(layer, build(CASES["groups-per-group-norm"]), lengths=LENGTHS)
 
 
 def test_generation_state_errors():
     layer = build(SMALL)
-    state = layer.new_state(2, 4, torch.device("cpu"), torch.float32)
-    hidden, _ = layer_inputs(3)
-    with pytest.raises(ValueError, match=r"needs `batch\.past_lengths`"):
-        layer(hidden, Batch([2, 1]), state)
-    with pytest.raises(ValueError, match="the batch has 1 sequences but the state holds 2"):
-        layer(hidden, Batch([3], past_lengths=[0]), state)
+    check_generation_refusals(layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -301,11 +289,8 @@ def test_in_proj_components_are_honoured_for_their_rows():
 
 def test_hidden_size_differs_from_the_inner_size():
     layer = build({"heads": 3, "head_size": 5, "state_size": 2, "chunk_size": 4}, hidden=10)
-    hidden, _ = layer_inputs(6, 10)
-    with torch.no_grad():
-        output = layer(hidden, Batch([4, 2]))
+    output = check_matches_reference(layer, reference_forward, lengths=[4, 2], atol=2e-5, rtol=1e-4)
     assert output.shape == (6, 10) and layer.out_proj.weight.shape == (10, 15)
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, [4, 2]), atol=2e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from blockzoo.api import Batch
 from blockzoo.config import ConfigError
 from blockzoo_attention.kernels import TorchKernel
 from blockzoo_mla import mla as mla_module
-from blockzoo_testing import check_decoding, check_packed_documents, layer_inputs
+from blockzoo_testing import check_decoding, check_matches_reference, check_packed_documents, layer_inputs
 
 LENGTHS = [5, 1, 7]
 CASES = {
@@ -41,10 +41,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_matches_a_per_token_loop(case):
     layer = build(CASES[case])
-    hidden, _ = layer_inputs(sum(LENGTHS))
-    with torch.no_grad():
-        output = layer(hidden, Batch(LENGTHS))
-    torch.testing.assert_close(output.double(), reference_forward(layer, hidden, LENGTHS), atol=2e-6, rtol=1e-5)
+    check_matches_reference(layer, reference_forward, lengths=LENGTHS, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES)

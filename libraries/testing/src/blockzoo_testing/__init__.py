@@ -14,6 +14,8 @@
   convolution's inputs and a scan's state (the Mamba family's) over slices: the whole forward, a float64 reference,
   and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
   cases.
+- `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
+  `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)` (`blockzoo_testing.numerics`).
 - `CudaComparison(build, seed, output_tolerance, gradient_tolerance)` (`blockzoo_testing.cuda`): a plugin's GPU
   tests, the layer on CUDA against its CPU path (outputs and gradients, slices, decoding, padded batches).
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
@@ -57,6 +59,9 @@ _LAZY = {
     "run_layer": "blockzoo_testing.layers",
     "single_process": "blockzoo_testing.layers",
     "check_recurrent_slices": "blockzoo_testing.recurrence",
+    "check_bf16_compute": "blockzoo_testing.numerics",
+    "check_generation_refusals": "blockzoo_testing.numerics",
+    "check_matches_reference": "blockzoo_testing.numerics",
     "CudaComparison": "blockzoo_testing.cuda",
     "RecurrentSliceTests": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",
