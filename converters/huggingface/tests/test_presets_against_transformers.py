@@ -26,7 +26,7 @@ from blockzoo.conversion import get_format
 from blockzoo.preflight import model_on_meta_device
 from blockzoo.run_config import RunConfig
 
-HF_PRESETS = [name for name in blockzoo.presets.names() if blockzoo.presets.get(name).huggingface_config is not None]
+HF_PRESETS = [name for name in blockzoo.presets.names() if blockzoo.presets.get(name).format_config is not None]
 MOE_PRESETS = [name for name in HF_PRESETS if blockzoo.presets.get(name).active_parameters is not None]
 
 _SMALL = {"hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -157,14 +157,14 @@ def transformers_active_count(model: transformers.PreTrainedModel) -> int:
 @pytest.mark.parametrize("name", HF_PRESETS)
 def test_the_parameter_count_is_the_count_transformers_builds_from_the_published_config(name):
     preset = blockzoo.presets.get(name)
-    theirs = transformers_count(transformers_meta_model(dict(preset.huggingface_config)))
+    theirs = transformers_count(transformers_meta_model(dict(preset.format_config)))
     assert our_count(name) == theirs == preset.parameters
 
 
 @pytest.mark.parametrize("name", MOE_PRESETS)
 def test_the_active_parameter_count_leaves_out_the_experts_a_token_does_not_use(name):
     preset = blockzoo.presets.get(name)
-    model = transformers_meta_model(dict(preset.huggingface_config))
+    model = transformers_meta_model(dict(preset.format_config))
     assert transformers_active_count(model) == preset.active_parameters < preset.parameters
 
 
@@ -172,7 +172,7 @@ def test_the_active_parameter_count_leaves_out_the_experts_a_token_does_not_use(
 def test_the_preset_exported_to_its_format_is_accepted_by_transformers_with_the_same_count(name, tmp_path):
     preset = blockzoo.presets.get(name)
     exported = get_format(preset.format).export_config(blockzoo.presets.model_config(name))
-    assert exported["model_type"] == preset.huggingface_config["model_type"]
+    assert exported["model_type"] == preset.format_config["model_type"]
     assert transformers_count(transformers_meta_model(exported, tmp_path / "exported")) == preset.parameters
 
 
@@ -183,9 +183,9 @@ def test_a_tiny_copy_round_trips_weights_through_its_format(name, tmp_path):
     widths = {
         key: value
         for key, value in TINY[preset.format].items()
-        if key != "head_dim" or key in preset.huggingface_config
+        if key != "head_dim" or key in preset.format_config
     }
-    tiny = {**preset.huggingface_config, **widths}
+    tiny = {**preset.format_config, **widths}
     config = transformers.AutoConfig.for_model(**tiny)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     randomize(model, seed=0)

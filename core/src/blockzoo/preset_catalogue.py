@@ -113,7 +113,9 @@ def markdown(found: list[dict[str, Any]]) -> str:
 
 
 def _source(source: str) -> str:
-    if source.startswith("https://huggingface.co/"):
-        repository = source.removeprefix("https://huggingface.co/").split("/blob/")[0]
+    """A page of a repository's file (`https://HOST/OWNER/NAME/blob/...`) as a link named by the repository; any other
+    source as written."""
+    if source.startswith("https://") and "/blob/" in source:
+        repository = source.removeprefix("https://").split("/", 1)[1].split("/blob/")[0]
         return f"[{repository}]({source})"
     return source

@@ -2,12 +2,12 @@
 `blockzoo init PRESET`, `blockzoo.build("qwen3_0_6b")`, `blockzoo.presets.get(name)`.
 
 A plugin registers each preset from its `register_presets(register)` hook, `register(name, Preset(...))`. A preset
-is data: its model config, written either as the published Hugging Face `config.json` of the model
-(`huggingface_config`, read through the format named by `format`, so a transcription has one place to be wrong and
-the checks compare it with transformers) or as a blockzoo model config (`config`, plain data or a function returning
-it); the exact parameter count, the figure its authors published, the source it was transcribed from, and the
-distributions it needs. A preset whose distributions are not all installed is listed as unavailable, with what to
-install. Torch-free.
+is data: its model config, written either as the model's published config in its checkpoint format's own keys
+(`format_config`, read through the format named by `format`, so a transcription has one place to be wrong and the
+format's checks compare it with the format's own library) or as a blockzoo model config (`config`, plain data or a
+function returning it); the exact parameter count, the figure its authors published, the source it was transcribed
+from, and the distributions it needs. A preset whose distributions are not all installed is listed as unavailable,
+with what to install. Torch-free.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ def _check_names(field_name: str, what: str) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, init=False)
 class Preset:
     """A named architecture a plugin registers (`register(name, Preset(...))` in its `register_presets` hook).
 
-    `family`: what it belongs to ("Llama 3", "Falcon-H1"). `huggingface_config`: the published config.json (its
-    architecture keys, as published), read through `format`; or `config`: the blockzoo model config (plain data, or a
+    `family`: what it belongs to ("Llama 3", "Falcon-H1"). `format_config`: the published config (its architecture
+    keys, as published: a config.json), read through `format`; or `config`: the blockzoo model config (plain data, or a
     function returning it). `parameters`: the exact parameter count (checked by the tests); `active_parameters`: those
     a token uses (MoE). `published_parameters`: the figure the model's authors give ("1.23B"), None for an
     architecture of ours. `source`: where the values were transcribed from. `format`: the checkpoint format it
@@ -49,18 +49,29 @@ class Preset:
     source: str
     requires: tuple[str, ...] = attrs.field(validator=_check_names("requires", "distribution names"))
     format: str | None = None
-    huggingface_config: Mapping[str, Any] | None = None
+    format_config: Mapping[str, Any] | None = None
     config: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
     active_parameters: int | None = None
     published_parameters: str | None = None
     notes: str = ""
     checked_against: tuple[str, ...] = attrs.field(default=(), validator=_check_names("checked_against", "sources"))
 
+    def __init__(self, *, huggingface_config: Mapping[str, Any] | None = None, **fields: Any) -> None:
+        # `format_config`'s former name: presets written with it still register.
+        if huggingface_config is not None:
+            fields["format_config"] = huggingface_config
+        self.__attrs_init__(**fields)
+
     def __attrs_post_init__(self) -> None:
-        if (self.huggingface_config is None) == (self.config is None):
-            raise ValueError("a Preset gives either huggingface_config (with its format) or config, not both")
-        if self.huggingface_config is not None and self.format is None:
-            raise ValueError("a Preset's huggingface_config is read through its format: give format=")
+        if (self.format_config is None) == (self.config is None):
+            raise ValueError("a Preset gives either format_config (with its format) or config, not both")
+        if self.format_config is not None and self.format is None:
+            raise ValueError("a Preset's format_config is read through its format: give format=")
+
+    @property
+    def huggingface_config(self) -> Mapping[str, Any] | None:
+        """`format_config`, by its former name."""
+        return self.format_config
 
     @classmethod
     def published(
@@ -70,7 +81,7 @@ class Preset:
         source), read through the format its `model_type` names; `fields`: `requires`, `active_parameters`,
         `notes`, `checked_against`."""
         source = f"https://huggingface.co/{repository}/blob/main/config.json"
-        return cls(family=family, format=config["model_type"], huggingface_config=config, parameters=parameters,
+        return cls(family=family, format=config["model_type"], format_config=config, parameters=parameters,
                    published_parameters=published, source=source, **fields)  # fmt: skip
 
     @classmethod
@@ -79,7 +90,7 @@ class Preset:
         other `fields` as for `published`."""
         changes = fields.pop("changes")
         source = f"ours: {base_name} with " + ", ".join(f"{key}={value}" for key, value in changes.items())
-        return cls(family=family, format=base["model_type"], huggingface_config={**base, **changes},
+        return cls(family=family, format=base["model_type"], format_config={**base, **changes},
                    parameters=parameters, source=source, **fields)  # fmt: skip
 
     @property
@@ -89,10 +100,10 @@ class Preset:
 
     def model_data(self) -> dict[str, Any]:
         """The model config, plain data."""
-        if self.huggingface_config is not None:
+        if self.format_config is not None:
             from blockzoo.conversion import get_format
 
-            return get_format(self.format).import_config(self.huggingface_config, source=f"the preset's {self.format}")
+            return get_format(self.format).import_config(self.format_config, source=f"the preset's {self.format}")
         config = self.config() if callable(self.config) else self.config
         return dict(config)
 

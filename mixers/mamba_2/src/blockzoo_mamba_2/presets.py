@@ -69,7 +69,7 @@ def presets() -> dict[str, Preset]:
         name: Preset(
             family="Mamba 2",
             format="mamba2",
-            huggingface_config=mamba2_config(d_model, n_layer),
+            format_config=mamba2_config(d_model, n_layer),
             parameters=parameters,
             published_parameters=published,
             source=f"https://huggingface.co/state-spaces/{repository}/blob/main/config.json",
@@ -83,7 +83,7 @@ def presets() -> dict[str, Preset]:
     found["mamba2_proxy_50m"] = Preset(
         family="Mamba 2",
         format="mamba2",
-        huggingface_config=mamba2_config(512, 12),
+        format_config=mamba2_config(512, 12),
         parameters=46_389_312,
         source="ours: mamba2_130m with d_model 512, 12 layers",
         requires=REQUIRES,
