@@ -1,8 +1,8 @@
 """Configs of the fine-tuning methods (`model.peft`): a polymorphic kind, `peft`, that plugins may extend. Torch-free.
 
 A method's implementation (registered with its config) is a module class made as `implementation(config, linear,
-distributed)` for each linear whose resolved `apply_peft` is true; see `blockzoo.peft.apply`. LoRA (`type: lora`) is
-the blockzoo-lora distribution's; `LoraConfig` is still importable from here when it is installed.
+distributed)` for each linear whose resolved `apply_peft` is true; see `blockzoo.peft.apply`. Every method is a
+plugin's; one config that used to live here is still importable from here (below).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class PeftConfig(PolymorphicConfig):
 
 
 def __getattr__(name: str):
-    # LoRA moved to the blockzoo-lora distribution: its config, imported from here by name, comes from there.
+    # A thin re-export for existing users' code: LoRA's config moved to the blockzoo-lora distribution.
     if name == "LoraConfig":
         try:
             from blockzoo_lora.config import LoraConfig
