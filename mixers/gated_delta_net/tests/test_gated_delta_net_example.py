@@ -6,49 +6,21 @@ parameter moves; the checkpoint reloads the trained model. Needs blockzoo-attent
 from pathlib import Path
 
 import pytest
-import torch
 
 import blockzoo
-from blockzoo.config import read_yaml, structure
-from blockzoo.run_config import RunConfig
-from blockzoo.training.trainer import Trainer
+from blockzoo_testing import check_every_parameter_gets_a_gradient, check_trains_and_reloads, shortened_example
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gated_delta_net.yaml"
 
 
-def _shortened(tmp_path: Path) -> RunConfig:
-    data = read_yaml(EXAMPLE)
-    data["data"].update(sequence_length=64, micro_batch_size=4)
-    data["training"].update(train_iters=12, log_interval=4, output_dir=str(tmp_path), checkpoint_interval=12)
-    del data["training"]["evaluation"]
-    data["training"]["schedule"]["warmup_iters"] = 2
-    data["training"]["optimizer"]["learning_rate"] = 1.0e-2
-    return structure({**data, "distributed": {"seed": 7, "backend": "gloo"}}, RunConfig)
-
-
 def test_the_example_builds_its_blocks_and_every_parameter_gets_a_gradient(tmp_path):
     """The fast sibling of the training test: the example as written builds, and one backward reaches everything."""
-    model = blockzoo.build(_shortened(tmp_path))
+    model = blockzoo.build(shortened_example(EXAMPLE, tmp_path))
     assert [type(block.mixer).__name__ for block in model.decoder] == ["GatedDeltaNet"] * 3 + ["Attention"]
-    tokens = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(0))
-    logits = model(tokens)
-    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    for name, parameter in model.named_parameters():
-        assert parameter.grad is not None and bool(parameter.grad.abs().sum() > 0), name
+    check_every_parameter_gets_a_gradient(model)
 
 
 @pytest.mark.slow
 def test_the_example_trains_on_cpu_and_reloads(tmp_path):
-    run_config = _shortened(tmp_path)
-    initial = dict(blockzoo.build(run_config).named_parameters())
-    trainer = Trainer(run_config, log=lambda message: None)
-    history = trainer.run()
-    assert all(torch.isfinite(torch.tensor(record.loss)) for record in history)
-    assert history[-1].loss < history[0].loss - 1.0, [record.loss for record in history]
-    for name, parameter in trainer.model.named_parameters():
-        if name.startswith("decoder.0.mixer."):
-            assert not torch.equal(parameter.detach(), initial[name].detach()), name
-    reloaded = blockzoo.load(tmp_path)
-    tokens = torch.randint(0, 257, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens), trainer.model(tokens), atol=0, rtol=0)
+    run_config = shortened_example(EXAMPLE, tmp_path)
+    check_trains_and_reloads(run_config, moved=lambda name: name.startswith("decoder.0.mixer."))

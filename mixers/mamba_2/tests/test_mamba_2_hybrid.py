@@ -9,8 +9,8 @@ import blockzoo
 from blockzoo.config import structure
 from blockzoo.layers.base import Batch
 from blockzoo.run_config import RunConfig
-from blockzoo.training.trainer import Trainer
 from blockzoo_mamba_2.mamba_2 import Mamba2, Mamba2State
+from blockzoo_testing import check_trains_and_reloads, greedy_by_full_forward
 
 VOCAB = 64
 LENGTHS = [5, 1, 9]
@@ -78,19 +78,11 @@ def test_packed_documents_equal_separate_runs():
         torch.testing.assert_close(packed_gradients[name], parameter.grad, atol=1e-6 * scale, rtol=1e-4, msg=name)
 
 
-def _greedy_by_full_forward(model, prompt: list[int], steps: int) -> list[int]:
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
-    return tokens[len(prompt) :]
-
-
 def test_generation_equals_greedy_decoding_by_full_forwards():
     model = blockzoo.build(_run_config())
     states = [block.new_state(3, 16, torch.device("cpu"), torch.float32) for block in model.decoder]
     assert isinstance(states[0], Mamba2State) and states[2] is None
-    expected = [_greedy_by_full_forward(model, prompt, 6) for prompt in PROMPTS]
+    expected = [greedy_by_full_forward(model, prompt, 6) for prompt in PROMPTS]
     assert model.generate(PROMPTS, 6) == expected
 
 
@@ -110,18 +102,9 @@ def test_trains_on_cpu_and_reloads(tmp_path):
         },
         RunConfig,
     )
-    initial = dict(blockzoo.build(run_config).named_parameters())
-    trainer = Trainer(run_config, log=lambda message: None)
-    history = trainer.run()
-    assert all(torch.isfinite(torch.tensor(record.loss)) for record in history)
-    assert history[-1].loss < history[0].loss - 1.0, [record.loss for record in history]
-    # Every Mamba 2 parameter was trained (the same seed built the same initial weights).
-    for name, parameter in trainer.model.named_parameters():
-        if ".mixer." in name and name.startswith(("decoder.0.", "decoder.3.")):
-            assert not torch.equal(parameter.detach(), initial[name].detach()), name
-    # The checkpoint (config.yaml with the mixer's settings, global tensors) rebuilds the trained model.
-    reloaded = blockzoo.load(tmp_path)
-    tokens = torch.randint(0, 257, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens), trainer.model(tokens), atol=0, rtol=0)
+    # Every Mamba 2 parameter is trained; the checkpoint (config.yaml with the mixer's settings, global tensors)
+    # rebuilds the trained model.
+    trainer, reloaded = check_trains_and_reloads(
+        run_config, moved=lambda name: ".mixer." in name and name.startswith(("decoder.0.", "decoder.3."))
+    )
     assert reloaded.config == trainer.model.config

@@ -16,6 +16,9 @@
   cases.
 - `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
   `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)` (`blockzoo_testing.numerics`).
+- A plugin's whole-model tests (`blockzoo_testing.models`): `shortened_example(path, output_dir)` (an example
+  config run in seconds), `check_every_parameter_gets_a_gradient(model)`, `check_trains_and_reloads(run_config,
+  moved=...)` (the loss falls, the checkpoint reloads), `greedy_by_full_forward(model, prompt, steps)`.
 - `CudaComparison(build, seed, output_tolerance, gradient_tolerance)` (`blockzoo_testing.cuda`): a plugin's GPU
   tests, the layer on CUDA against its CPU path (outputs and gradients, slices, decoding, padded batches).
 - `check_tensor_parallel(config_class, cases, ...)` and `check_sequence_data_parallel(config_class, cases, ...)`
@@ -59,6 +62,10 @@ _LAZY = {
     "run_layer": "blockzoo_testing.layers",
     "single_process": "blockzoo_testing.layers",
     "check_recurrent_slices": "blockzoo_testing.recurrence",
+    "shortened_example": "blockzoo_testing.models",
+    "greedy_by_full_forward": "blockzoo_testing.models",
+    "check_trains_and_reloads": "blockzoo_testing.models",
+    "check_every_parameter_gets_a_gradient": "blockzoo_testing.models",
     "check_bf16_compute": "blockzoo_testing.numerics",
     "check_generation_refusals": "blockzoo_testing.numerics",
     "check_matches_reference": "blockzoo_testing.numerics",
