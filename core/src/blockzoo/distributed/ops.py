@@ -15,6 +15,8 @@ op is then the identity. The pairs are each other's transpose:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -69,58 +71,35 @@ def _own_tokens(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return tensor.narrow(0, group.rank() * size, size).contiguous()
 
 
-class _CopyToTensorRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+def _unchanged(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return tensor.view_as(tensor)  # a view: autograd records the op's output as a tensor of its own
 
 
-class _ReduceFromTensorRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(tensor, group)
+def _collective(
+    forward: Callable[[torch.Tensor, ProcessGroup], torch.Tensor],
+    backward: Callable[[torch.Tensor, ProcessGroup], torch.Tensor],
+) -> type[torch.autograd.Function]:
+    """An autograd function over a process group: `forward(tensor, group)` forward, `backward(grad, group)` on the
+    gradient backward."""
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    class Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+            ctx.group = group
+            return forward(tensor, group)
 
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return backward(grad, ctx.group), None
 
-class _GatherTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather_tokens(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter_tokens(grad, ctx.group), None
-
-
-class _ReduceScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_tokens(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_tokens(grad, ctx.group), None
+    return Collective
 
 
-class _SplitTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _own_tokens(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_tokens(grad, ctx.group), None
+_CopyToTensorRegion = _collective(_unchanged, _all_reduce)
+_ReduceFromTensorRegion = _collective(_all_reduce, _unchanged)
+_GatherTokens = _collective(_all_gather_tokens, _reduce_scatter_tokens)
+_ReduceScatterTokens = _collective(_reduce_scatter_tokens, _all_gather_tokens)
+_SplitTokens = _collective(_own_tokens, _all_gather_tokens)
 
 
 def copy_to_tensor_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
