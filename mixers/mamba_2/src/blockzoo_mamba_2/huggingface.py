@@ -266,6 +266,20 @@ def _bamba_head_size(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"head_size": head_size}
 
 
+# The keys of the hybrids that prefix their Mamba 2 settings with `mamba_` (Bamba, GraniteMoeHybrid, Falcon-H1).
+MAMBA_PREFIXED_KEYS = {
+    "heads": "mamba_n_heads",
+    "groups": "mamba_n_groups",
+    "state_size": "mamba_d_state",
+    "kernel_size": "mamba_d_conv",
+    "chunk_size": "mamba_chunk_size",
+    "bias": "mamba_proj_bias",
+    "convolution_bias": "mamba_conv_bias",
+    "epsilon": "rms_norm_eps",
+    # Also the MLPs' activation: a hybrid with Mamba layers has silu MLPs.
+    "activation": "hidden_act",
+}
+
 SECTIONS: dict[str, Section] = {
     "mamba2": mamba_2_section(
         name="mixer",
@@ -290,17 +304,7 @@ SECTIONS: dict[str, Section] = {
     ),
     "bamba": mamba_2_section(
         name="mamba",
-        keys={
-            "heads": "mamba_n_heads",
-            "groups": "mamba_n_groups",
-            "state_size": "mamba_d_state",
-            "kernel_size": "mamba_d_conv",
-            "chunk_size": "mamba_chunk_size",
-            "bias": "mamba_proj_bias",
-            "convolution_bias": "mamba_conv_bias",
-            "epsilon": "rms_norm_eps",
-            "activation": "hidden_act",  # also the MLP's: a Bamba with Mamba layers has silu MLPs
-        },
+        keys=MAMBA_PREFIXED_KEYS,
         per_group=None,
         time_step=_time_step_limit("time_step_limit"),
         head_size=Computed(
@@ -440,17 +444,7 @@ FALCON_H1_EPSILON = Computed(
 
 SECTIONS["falcon_h1"] = mamba_2_section(
     name="mamba",
-    keys={
-        "heads": "mamba_n_heads",
-        "groups": "mamba_n_groups",
-        "state_size": "mamba_d_state",
-        "kernel_size": "mamba_d_conv",
-        "chunk_size": "mamba_chunk_size",
-        "bias": "mamba_proj_bias",
-        "convolution_bias": "mamba_conv_bias",
-        "epsilon": "rms_norm_eps",
-        "activation": "hidden_act",  # also the MLP's
-    },
+    keys=MAMBA_PREFIXED_KEYS,
     per_group=True,  # FalconH1RMSNormGated normalizes each of the `mamba_n_groups` groups
     time_step=_time_step_limit("time_step_limit"),
     head_size=Computed(
