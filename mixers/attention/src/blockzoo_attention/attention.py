@@ -46,6 +46,7 @@ from blockzoo.api import (
     linear_options,
     scaled_lr,
 )
+from blockzoo_attention.caches import check_cache_length, check_cached_batch
 from blockzoo_attention.config import AttentionConfig
 from blockzoo_attention.kernels import Segments, select_kernel
 from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
@@ -66,14 +67,9 @@ class KeyValueCache:
         self, key: torch.Tensor, value: torch.Tensor, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, Segments]:
         """Store the batch's keys and values after each sequence's past; return every stored key and value so far."""
-        if batch.past_lengths is None:
-            raise ValueError("attention with a generation cache needs `batch.past_lengths`")
-        sequences, max_length = self.key.shape[:2]
-        if batch.num_documents != sequences:
-            raise ValueError(f"the batch has {batch.num_documents} sequences but the cache holds {sequences}")
+        check_cached_batch(batch, self.key, "attention")
         lengths = batch.past_lengths + batch.lengths
-        if int(lengths.max()) > max_length:
-            raise ValueError(f"sequences of up to {int(lengths.max())} tokens exceed the cache's {max_length}")
+        check_cache_length(int(lengths.max()), self.key)
         self.key[batch.document_index, batch.positions] = key.detach().to(self.key.dtype)
         self.value[batch.document_index, batch.positions] = value.detach().to(self.value.dtype)
         keys = batch.preprocessed("blockzoo_attention.cached_keys", lambda: Segments.from_lengths(lengths))
@@ -92,14 +88,9 @@ class KeyValueCache:
         """One new token per sequence (a decoding step): store its key and value, and attend with its query
         `[sequences, heads, head_size]` to its sequence's stored keys read in place, `[sequences, heads, stored,
         head_size]` views of the cache (no gather of every stored key into a packed copy, as `append` makes)."""
-        if batch.past_lengths is None:
-            raise ValueError("attention with a generation cache needs `batch.past_lengths`")
-        sequences, max_length = self.key.shape[:2]
-        if batch.num_documents != sequences:
-            raise ValueError(f"the batch has {batch.num_documents} sequences but the cache holds {sequences}")
+        check_cached_batch(batch, self.key, "attention")
         stored = batch.preprocessed("blockzoo_attention.decoded_length", lambda: int(batch.positions.max()) + 1)
-        if stored > max_length:
-            raise ValueError(f"sequences of up to {stored} tokens exceed the cache's {max_length}")
+        check_cache_length(stored, self.key)
         self.key[batch.document_index, batch.positions] = key.detach().to(self.key.dtype)
         self.value[batch.document_index, batch.positions] = value.detach().to(self.value.dtype)
         keys, values = (cache[:, :stored].transpose(1, 2).to(query.dtype) for cache in (self.key, self.value))

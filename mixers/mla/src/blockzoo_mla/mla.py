@@ -56,6 +56,7 @@ from blockzoo.api import (
     linear_options,
     scaled_lr,
 )
+from blockzoo_attention.caches import check_cache_length, check_cached_batch
 from blockzoo_attention.kernels import Segments, select_kernel
 from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
 from blockzoo_attention.slices import slice_keys, stretch
@@ -82,14 +83,9 @@ class LatentCache:
     def store(self, latent: torch.Tensor, rotary_key: torch.Tensor, batch: Batch) -> int:
         """Store the batch's tokens after each sequence's past; return how many positions are filled (the longest
         sequence's)."""
-        if batch.past_lengths is None:
-            raise ValueError("multi-head latent attention with a generation cache needs `batch.past_lengths`")
-        sequences, max_length = self.latent.shape[:2]
-        if batch.num_documents != sequences:
-            raise ValueError(f"the batch has {batch.num_documents} sequences but the cache holds {sequences}")
+        check_cached_batch(batch, self.latent, "multi-head latent attention")
         stored = batch.preprocessed("blockzoo_mla.stored_length", lambda: int(batch.positions.max()) + 1)
-        if stored > max_length:
-            raise ValueError(f"sequences of up to {stored} tokens exceed the cache's {max_length}")
+        check_cache_length(stored, self.latent)
         self.latent[batch.document_index, batch.positions] = latent.detach().to(self.latent.dtype)
         self.rotary_key[batch.document_index, batch.positions] = rotary_key.detach().to(self.rotary_key.dtype)
         return stored
