@@ -18,10 +18,14 @@ import triton.language as tl
 from blockzoo_gated_delta_net.triton_forward import (
     _chunk_rows,
     _decay_ratio,
+    _document_chunks,
     _last_row,
     _load_rows,
+    _load_state,
+    _read_chunk,
     _state_pointers,
     _store_rows,
+    _store_state,
 )
 
 
@@ -50,34 +54,21 @@ def pass_state_gradients(
 ):
     document, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offset = block * BLOCK_V
-    begin = tl.load(cu_seqlens_pointer + document).to(tl.int64)
-    end = tl.load(cu_seqlens_pointer + document + 1).to(tl.int64)
-    first_chunk = tl.load(chunk_offsets_pointer + document)
-    last_chunk = tl.load(chunk_offsets_pointer + document + 1)
-    pointers, mask = _state_pointers(
-        final_gradient_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
-    )
-    if HAS_FINAL_GRADIENT:
-        gradient = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
-    else:
-        gradient = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    begin, end, first_chunk, last_chunk = _document_chunks(cu_seqlens_pointer, chunk_offsets_pointer, document)
+    gradient = _load_state(
+        final_gradient_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset,
+        HAS_FINAL_GRADIENT,
+    )  # fmt: skip
     for step in range(0, last_chunk - first_chunk):
         chunk = last_chunk - 1 - step
-        tokens = begin + (chunk - first_chunk) * CHUNK + tl.arange(0, CHUNK)
-        valid = tokens < end
-        count = tl.minimum(end - begin - (chunk - first_chunk) * CHUNK, CHUNK)
-        pointers, mask = _state_pointers(
-            state_gradients_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+        _store_state(
+            state_gradients_pointer, gradient, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
         )
-        tl.store(pointers, gradient, mask=mask)
-        q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-        k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-        w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
+        tokens, valid, q, k, w, b, b_last, to_end, scores = _read_chunk(
+            q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads,
+            head, key_size, GROUP, CHUNK, BLOCK_K,
+        )  # fmt: skip
         output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
-        b_last = _last_row(b, count, CHUNK)
-        to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
-        scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
         new_value_gradient = tl.dot(tl.trans(scores), output_gradient) + tl.dot(k * to_end[:, None], gradient)
         _store_rows(
             new_value_gradients_pointer, new_value_gradient, tokens, valid, heads, head, value_size, BLOCK_V, offset
@@ -87,10 +78,9 @@ def pass_state_gradients(
             + tl.exp(b_last) * gradient
             - tl.dot(tl.trans(w), new_value_gradient)
         )
-    pointers, mask = _state_pointers(
-        initial_gradient_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+    _store_state(
+        initial_gradient_pointer, gradient, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
     )
-    tl.store(pointers, gradient, mask=mask)
 
 
 @triton.jit

@@ -123,6 +123,57 @@ def _state_pointers(
 
 
 @triton.jit
+def _load_state(
+    pointer, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset,
+    LOAD: tl.constexpr,
+):  # fmt: skip
+    """S[index, head, :, offset : offset + BLOCK_V] in fp32, or zeros where there is none to read (not LOAD)."""
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if LOAD:
+        pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+        state = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    return state
+
+
+@triton.jit
+def _store_state(
+    pointer, state, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset
+):
+    pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+    tl.store(pointers, state, mask=mask)
+
+
+@triton.jit
+def _document_chunks(cu_seqlens_pointer, chunk_offsets_pointer, document):
+    """The document's tokens [begin, end) and its chunks [first, last) (the state-passing kernels' programs)."""
+    begin = tl.load(cu_seqlens_pointer + document).to(tl.int64)
+    end = tl.load(cu_seqlens_pointer + document + 1).to(tl.int64)
+    first = tl.load(chunk_offsets_pointer + document)
+    last = tl.load(chunk_offsets_pointer + document + 1)
+    return begin, end, first, last
+
+
+@triton.jit
+def _read_chunk(
+    q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, index, heads, key_heads, head, key_size,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """What both state passes read of a document's chunk `index` (counted from its first): its tokens, which lie in
+    the document and how many; q, k, W and b; e^{b_C − b} (zero outside); the scores P = (Q Kᵀ) ⊙ Γ; b_C."""
+    tokens = begin + index * CHUNK + tl.arange(0, CHUNK)
+    valid = tokens < end
+    count = tl.minimum(end - begin - index * CHUNK, CHUNK)
+    q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+    k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+    w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
+    b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
+    b_last = _last_row(b, count, CHUNK)
+    to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
+    scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
+    return tokens, valid, q, k, w, b, b_last, to_end, scores
+
+
+@triton.jit
 def pass_states(
     q_pointer,
     k_pointer,
@@ -148,33 +199,19 @@ def pass_states(
 ):
     document, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offset = block * BLOCK_V
-    begin = tl.load(cu_seqlens_pointer + document).to(tl.int64)
-    end = tl.load(cu_seqlens_pointer + document + 1).to(tl.int64)
-    first_chunk = tl.load(chunk_offsets_pointer + document)
-    last_chunk = tl.load(chunk_offsets_pointer + document + 1)
-    pointers, mask = _state_pointers(
-        initial_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+    begin, end, first_chunk, last_chunk = _document_chunks(cu_seqlens_pointer, chunk_offsets_pointer, document)
+    state = _load_state(
+        initial_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, HAS_INITIAL
     )
-    if HAS_INITIAL:
-        state = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     for chunk in range(first_chunk, last_chunk):
-        tokens = begin + (chunk - first_chunk) * CHUNK + tl.arange(0, CHUNK)
-        valid = tokens < end
-        count = tl.minimum(end - begin - (chunk - first_chunk) * CHUNK, CHUNK)
-        pointers, mask = _state_pointers(
-            states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
-        )
-        tl.store(pointers, state, mask=mask)
-        q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-        k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-        w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
+        _store_state(states_pointer, state, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+        tokens, valid, q, k, w, b, b_last, to_end, scores = _read_chunk(
+            q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads,
+            head, key_size, GROUP, CHUNK, BLOCK_K,
+        )  # fmt: skip
         u = _load_rows(u_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
         u = u - tl.dot(w, state)
         _store_rows(new_values_pointer, u, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
         output = tl.dot(q * tl.exp(b)[:, None], state) + tl.dot(scores, u)
         _store_rows(
             output_pointer,
@@ -187,10 +224,5 @@ def pass_states(
             BLOCK_V,
             offset,
         )
-        b_last = _last_row(b, count, CHUNK)
-        to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
         state = tl.exp(b_last) * state + tl.dot(tl.trans(k * to_end[:, None]), u)
-    pointers, mask = _state_pointers(
-        final_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
-    )
-    tl.store(pointers, state, mask=mask)
+    _store_state(final_pointer, state, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
