@@ -2,7 +2,6 @@
 and without biases; every config field changes the layer; per-component settings of the fused gate‖up weight;
 FLOPs against a hand count; config errors; the plugin's registration."""
 
-import math
 import subprocess
 import sys
 
@@ -11,8 +10,6 @@ import pytest
 import torch
 
 from blockzoo.config import ConfigError, structure, update
-from blockzoo.distributed.config import DistributedConfig
-from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import (
     GENERATION_CACHE,
@@ -25,6 +22,7 @@ from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
 from blockzoo_mlp.config import DenseMLPConfig
 from blockzoo_mlp.mlp import DenseMLP
+from blockzoo_testing import layer_inputs, reference_activation, single_process
 
 HIDDEN, INTERMEDIATE = 8, 12
 LENGTHS = [3, 4]
@@ -39,29 +37,14 @@ def make_config(**data) -> DenseMLPConfig:
 
 def build(config: DenseMLPConfig, seed: int = 1) -> DenseMLP:
     # gloo: one CPU process (on a CUDA machine `auto` would choose the GPU).
-    distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    distributed = single_process(seed)
     return DenseMLP(
         config, name="block.mlp", hidden_dim=TensorDim("hidden", HIDDEN), distributed=distributed, lr_scale=1.0
     )
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    tokens = sum(LENGTHS)
-    return torch.randn(tokens, HIDDEN, generator=generator), torch.randn(tokens, HIDDEN, generator=generator)
-
-
-def reference_activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return x / (1 + torch.exp(-x))
-    if name == "gelu":
-        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-    if name == "relu":
-        return torch.where(x > 0, x, 0.0)
-    if name == "squared_relu":
-        return torch.where(x > 0, x * x, 0.0)
-    assert name == "identity"
-    return x
+    return layer_inputs(sum(LENGTHS), HIDDEN)
 
 
 def reference_mlp(model: DenseMLP, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

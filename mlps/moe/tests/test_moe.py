@@ -5,7 +5,6 @@ FLOPs against a hand count; config errors; the plugin's registration; the expert
 and combine against plain indexing (gradcheck). On CUDA: no host sync in the routed path, and the compiled pieces
 (BLOCKZOO_MOE_COMPILE=1) against the eager ones."""
 
-import math
 import subprocess
 import sys
 
@@ -14,8 +13,6 @@ import pytest
 import torch
 
 from blockzoo.config import ConfigError, structure, update
-from blockzoo.distributed.config import DistributedConfig
-from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MLPConfig
 from blockzoo.layers.dims import TensorDim
@@ -23,6 +20,7 @@ from blockzoo.plugins import get_registry
 from blockzoo_moe import moe
 from blockzoo_moe.config import EXPERT_PARALLEL, MoEMLPConfig
 from blockzoo_moe.moe import ExpertOrder, MoEMLP
+from blockzoo_testing import layer_inputs, reference_activation, single_process
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 8, 6, 5, 2
 LENGTHS = [5, 6]
@@ -61,7 +59,7 @@ def make_config(**data) -> MoEMLPConfig:
 
 
 def build(config: MoEMLPConfig, seed: int = 1) -> MoEMLP:
-    distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    distributed = single_process(seed)
     model = MoEMLP(
         config, name="block.mlp", hidden_dim=TensorDim("hidden", HIDDEN), distributed=distributed, lr_scale=1
     )
@@ -74,21 +72,7 @@ def build(config: MoEMLPConfig, seed: int = 1) -> MoEMLP:
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randn(TOKENS, HIDDEN, generator=generator), torch.randn(TOKENS, HIDDEN, generator=generator)
-
-
-def reference_activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return x / (1 + torch.exp(-x))
-    if name == "gelu":
-        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
-    if name == "relu":
-        return torch.where(x > 0, x, 0.0)
-    if name == "squared_relu":
-        return torch.where(x > 0, x * x, 0.0)
-    assert name == "identity"
-    return x
+    return layer_inputs(TOKENS, HIDDEN)
 
 
 def reference_mlp(config, x, gate_up_weight, gate_up_bias, down_weight, down_bias):
@@ -511,7 +495,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(device, gated):
         up=RANDOM_BIAS,
         gate=RANDOM_BIAS if gated else {},
     )
-    distributed = Distributed(DistributedConfig(seed=3, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    distributed = single_process(3)
     model = MoEMLP(
         config, name="mlp", hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1
     ).to(device)
@@ -542,7 +526,7 @@ def test_grouped_gemm_path_matches_the_per_expert_loop(device, gated):
 def test_gpu_bf16_layer_matches_the_cpu_layer():
     hidden_size = 64
     config = make_config(intermediate_size=32, experts=8, shared_experts=1, add_linear_biases=True, up=RANDOM_BIAS)
-    distributed = Distributed(DistributedConfig(seed=3, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    distributed = single_process(3)
     model = MoEMLP(config, name="mlp", hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1)
     hidden = torch.randn(48, hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     expected = model(hidden.float(), Batch([48]))
@@ -609,7 +593,7 @@ def test_the_compile_switch_only_applies_on_cuda(monkeypatch):
 def _bf16_layer(experts=8, top_k=2, seed=3):
     hidden_size = 64
     config = make_config(intermediate_size=32, experts=experts, experts_per_token=top_k, shared_experts=1)
-    distributed = Distributed(DistributedConfig(seed=seed, backend="gloo"), world_size=1, rank=0, local_rank=0)
+    distributed = single_process(seed)
     model = MoEMLP(config, name="mlp", hidden_dim=TensorDim("hidden", hidden_size), distributed=distributed, lr_scale=1)
     hidden = torch.randn(96, hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     return model.cuda(), hidden.cuda()

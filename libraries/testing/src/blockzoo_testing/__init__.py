@@ -15,7 +15,8 @@
   and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
   cases.
 - `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
-  `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)` (`blockzoo_testing.numerics`).
+  `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`
+  (`blockzoo_testing.numerics`).
 - A plugin's whole-model tests (`blockzoo_testing.models`): `shortened_example(path, output_dir)` (an example
   config run in seconds), `check_every_parameter_gets_a_gradient(model)`, `check_trains_and_reloads(run_config,
   moved=...)` (the loss falls, the checkpoint reloads), `greedy_by_full_forward(model, prompt, steps)`.
@@ -69,6 +70,7 @@ _LAZY = {
     "check_bf16_compute": "blockzoo_testing.numerics",
     "check_generation_refusals": "blockzoo_testing.numerics",
     "check_matches_reference": "blockzoo_testing.numerics",
+    "reference_activation": "blockzoo_testing.numerics",
     "CudaComparison": "blockzoo_testing.cuda",
     "RecurrentSliceTests": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",

@@ -1,11 +1,13 @@
 """Checks a mixer's own tests share beyond the conformance kit: its output against a float64 reference of its own,
-its activations in bf16 against fp32, and the refusals of a generation state that does not fit the batch.
+its activations in bf16 against fp32, and the refusals of a generation state that does not fit the batch; and the
+MLP activations written out in plain torch (`reference_activation`), for an MLP plugin's per-token reference.
 
 Each builds its inputs with `layer_inputs` at the layer's hidden size and fails with an AssertionError.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,3 +68,19 @@ def check_generation_refusals(
     with pytest.raises(ValueError, match=f"the batch has 1 sequences but the {holder} holds 2"):
         layer(hidden, Batch([3], past_lengths=[0]), state)
     return state
+
+
+def reference_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The MLP activation `name` (silu, gelu with erf, relu, squared_relu, identity) written out in plain torch,
+    independent of blockzoo's own, for the per-token reference of an MLP plugin's tests."""
+    if name == "silu":
+        return x / (1 + torch.exp(-x))
+    if name == "gelu":
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    if name == "relu":
+        return torch.where(x > 0, x, 0.0)
+    if name == "squared_relu":
+        return torch.where(x > 0, x * x, 0.0)
+    if name != "identity":
+        raise ValueError(f"reference_activation: no reference for activation {name!r}")
+    return x
