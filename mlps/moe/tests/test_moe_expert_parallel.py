@@ -28,6 +28,7 @@ from blockzoo.run_config import RunConfig
 from blockzoo.training.trainer import Trainer
 from blockzoo_moe.config import MoEMLPConfig
 from blockzoo_moe.moe import MoEMLP
+from blockzoo_testing import layer_inputs
 from blockzoo_testing.distributed import run_distributed
 
 HIDDEN, INTERMEDIATE, SEED = 16, 12, 4321
@@ -88,12 +89,15 @@ def run_layer(model: MoEMLP, hidden: torch.Tensor, output_weights: torch.Tensor,
     return output, hidden.grad
 
 
-def check_layer(distributed: Distributed) -> None:
-    generator = torch.Generator().manual_seed(0)
+def both_ranks_inputs(distributed: Distributed, seed: int) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """Hidden states and output weights of both data-parallel ranks' tokens, and where this rank's lie."""
     tokens = sum(LENGTHS)
-    hidden = torch.randn(2 * tokens, HIDDEN, generator=generator)
-    output_weights = torch.randn(2 * tokens, HIDDEN, generator=generator)
-    mine = slice(distributed.data_rank * tokens, (distributed.data_rank + 1) * tokens)
+    hidden, output_weights = layer_inputs(2 * tokens, HIDDEN, seed=seed)
+    return hidden, output_weights, slice(distributed.data_rank * tokens, (distributed.data_rank + 1) * tokens)
+
+
+def check_layer(distributed: Distributed) -> None:
+    hidden, output_weights, mine = both_ranks_inputs(distributed, seed=0)
     single = Distributed(DistributedConfig(seed=SEED), world_size=1, rank=0, local_rank=0)
     for name, config_data in LAYER_CONFIGS.items():
         reference = build_layer(config_data, single)
@@ -124,11 +128,7 @@ def check_layer(distributed: Distributed) -> None:
 
 def check_layer_with_tensor_parallel(distributed: Distributed) -> None:
     """Experts split both ways (tensor-parallel 2 over the intermediate dim, expert-parallel 2)."""
-    generator = torch.Generator().manual_seed(1)
-    tokens = sum(LENGTHS)
-    hidden = torch.randn(2 * tokens, HIDDEN, generator=generator)
-    output_weights = torch.randn(2 * tokens, HIDDEN, generator=generator)
-    mine = slice(distributed.data_rank * tokens, (distributed.data_rank + 1) * tokens)
+    hidden, output_weights, mine = both_ranks_inputs(distributed, seed=1)
     config_data = {**LAYER_CONFIGS["gated, biases, gated shared experts"], "down": {"bias": {"enabled": False}}}
     reference = build_layer(config_data, Distributed(DistributedConfig(seed=SEED), world_size=1, rank=0, local_rank=0))
     expected_output, expected_input_grad = run_layer(reference, hidden, output_weights, LENGTHS * 2)

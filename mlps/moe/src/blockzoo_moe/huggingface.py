@@ -297,6 +297,28 @@ def _export_nemotron_biases(config: MoEMLPConfig) -> dict[str, Any]:
     return {"mlp_bias": False}
 
 
+def _routed_experts(*, experts: int, per_token: int, intermediate_size: int) -> tuple[ConfigMapping, ...]:
+    """The routed experts under DeepSeek-V3's keys (NemotronH's too), with the format's defaults."""
+    return (
+        Rename("experts", "n_routed_experts", default=experts),
+        Rename("experts_per_token", "num_experts_per_tok", default=per_token),
+        Rename("intermediate_size", "moe_intermediate_size", default=intermediate_size),
+    )
+
+
+def _grouped_sigmoid_router(*, scale: float, groups: int, groups_per_token: int) -> tuple[ConfigMapping, ...]:
+    """DeepSeek-V3's router (NemotronH's too): sigmoid scores, each token's experts chosen among its best groups with
+    a correction bias, the weights scaled; the defaults are the format's."""
+    return (
+        Constant("routing", "sigmoid_top_k"),
+        Rename("norm_topk_prob", "norm_topk_prob", default=True),
+        Rename("routed_scale", "routed_scaling_factor", default=scale),
+        Rename("routing_groups", "n_group", default=groups),
+        Rename("routing_groups_per_token", "topk_group", default=groups_per_token),
+        Constant("score_correction_bias", True),
+    )
+
+
 # NemotronH's MoE layers (`E`): ungated experts, shared experts of their own width, a sigmoid router choosing among
 # its best groups with a correction bias (DeepSeek-V3's). `layers.N.mixer.{gate,experts.E,shared_experts}`.
 NEMOTRON_H = Section(
@@ -304,9 +326,7 @@ NEMOTRON_H = Section(
     name="mixer",
     config=(
         # The defaults: transformers' NemotronHConfig.
-        Rename("experts", "n_routed_experts", default=8),
-        Rename("experts_per_token", "num_experts_per_tok", default=2),
-        Rename("intermediate_size", "moe_intermediate_size", default=7688),
+        *_routed_experts(experts=8, per_token=2, intermediate_size=7688),
         Computed(
             ("shared_experts", "shared_intermediate_size"),
             ("moe_shared_expert_intermediate_size",),
@@ -317,12 +337,7 @@ NEMOTRON_H = Section(
         Constant("gated", False),
         transformers_activation("mlp_hidden_act"),
         Computed(NO_BIASES.ours, ("mlp_bias",), import_=_import_nemotron_biases, export=_export_nemotron_biases),
-        Constant("routing", "sigmoid_top_k"),
-        Rename("norm_topk_prob", "norm_topk_prob", default=True),
-        Rename("routed_scale", "routed_scaling_factor", default=1.0),
-        Rename("routing_groups", "n_group", default=1),
-        Rename("routing_groups_per_token", "topk_group", default=1),
-        Constant("score_correction_bias", True),
+        *_grouped_sigmoid_router(scale=1.0, groups=1, groups_per_token=1),
         Fixed("moe_latent_size", None),
         Ignored(
             theirs=("n_shared_experts", "moe_shared_expert_overlap"),
@@ -445,9 +460,7 @@ DEEPSEEK_V3 = Section(
     name="mlp",
     config=(
         # The defaults: transformers' DeepseekV3Config.
-        Rename("experts", "n_routed_experts", default=256),
-        Rename("experts_per_token", "num_experts_per_tok", default=8),
-        Rename("intermediate_size", "moe_intermediate_size", default=2048),
+        *_routed_experts(experts=256, per_token=8, intermediate_size=2048),
         Computed(
             ("shared_experts", "shared_intermediate_size"),
             ("n_shared_experts",),
@@ -458,12 +471,7 @@ DEEPSEEK_V3 = Section(
         Constant("gated", True),
         transformers_activation("hidden_act"),
         NO_BIASES,
-        Constant("routing", "sigmoid_top_k"),
-        Rename("norm_topk_prob", "norm_topk_prob", default=True),
-        Rename("routed_scale", "routed_scaling_factor", default=2.5),
-        Rename("routing_groups", "n_group", default=8),
-        Rename("routing_groups_per_token", "topk_group", default=4),
-        Constant("score_correction_bias", True),
+        *_grouped_sigmoid_router(scale=2.5, groups=8, groups_per_token=4),
         Ignored(
             ours=("auxiliary_loss_coefficient", "router_jitter"),
             theirs=("output_router_logits",),
