@@ -1,14 +1,12 @@
 """The attention config: defaults, errors that name the field, registration, and a torch-free config module."""
 
-import subprocess
-import sys
-
 import pytest
 
 from blockzoo import config as configs
 from blockzoo.api import MixerConfig
 from blockzoo.plugins import get_registry
 from blockzoo_attention.config import AttentionConfig, DefaultRotaryConfig
+from blockzoo_testing import check_config_error, check_imports_no_torch
 
 
 def structure(data: dict) -> AttentionConfig:
@@ -59,8 +57,7 @@ def test_add_linear_biases_sets_each_default():
     ],
 )
 def test_errors_name_the_field(data, message):
-    with pytest.raises(configs.ConfigError, match=rf"\n  mixer\.{message}"):
-        configs.structure({"mixer": data}, _Holder)
+    check_config_error(AttentionConfig, data, message)
 
 
 def test_odd_head_size_is_fine_without_rotary():
@@ -83,15 +80,4 @@ def test_registration_and_capabilities():
 
 
 def test_config_module_imports_no_torch():
-    code = "import sys, blockzoo_attention.config, blockzoo_attention.plugin; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-from blockzoo.api import Config, configclass, field  # noqa: E402
-
-
-@configclass
-class _Holder(Config):
-    """Puts the attention config under a parent key, so the errors show their full path."""
-
-    mixer: AttentionConfig = field(factory=AttentionConfig)
+    check_imports_no_torch("blockzoo_attention.config", "blockzoo_attention.plugin")

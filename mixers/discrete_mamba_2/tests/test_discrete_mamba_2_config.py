@@ -1,17 +1,15 @@
 """The discrete Mamba 2 config: defaults, errors that name the field, registration, a run config refused for a
 tensor-parallel size the mixer cannot split, and a torch-free config module."""
 
-import subprocess
-import sys
-
 import pytest
 
 from blockzoo import config as configs
-from blockzoo.api import Config, ConfigError, MixerConfig, configclass, field
+from blockzoo.api import ConfigError, MixerConfig
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_discrete_mamba_2 import plugin
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
+from blockzoo_testing import check_config_error, check_imports_no_torch
 
 
 def structure(data: dict) -> DiscreteMamba2Config:
@@ -32,13 +30,6 @@ def test_add_linear_biases_sets_each_projection_default():
     config = structure({"add_linear_biases": True, "out_proj": {"bias": {"enabled": False}}})
     assert config.in_proj_has_bias and not config.has_bias(config.out_proj)
     assert not structure({"add_linear_biases": True, "convolution": {"bias": {"enabled": False}}}).convolution.has_bias
-
-
-@configclass
-class _Holder(Config):
-    """Puts the config under a parent key, so the errors show their full path."""
-
-    mixer: DiscreteMamba2Config = field(factory=DiscreteMamba2Config)
 
 
 @pytest.mark.parametrize(
@@ -62,8 +53,7 @@ class _Holder(Config):
     ],
 )
 def test_errors_name_the_field(data, message):
-    with pytest.raises(ConfigError, match=rf"\n  mixer\.{message}"):
-        configs.structure({"mixer": data}, _Holder)
+    check_config_error(DiscreteMamba2Config, data, message)
 
 
 def test_run_config_refuses_a_tensor_parallel_size_that_does_not_divide_groups():
@@ -103,11 +93,7 @@ def test_registration_and_capabilities():
 
 
 def test_config_module_imports_no_torch():
-    code = (
-        "import sys, blockzoo_discrete_mamba_2.config, blockzoo_discrete_mamba_2.plugin; "
-        "assert 'torch' not in sys.modules"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    check_imports_no_torch("blockzoo_discrete_mamba_2.config", "blockzoo_discrete_mamba_2.plugin")
 
 
 def test_check_environment_reports_cuda_without_mamba_ssm(monkeypatch):

@@ -1,16 +1,14 @@
 """The Mamba config: defaults, errors that name the field, tensor-parallel layouts refused by the run config,
 registration, and a torch-free config module."""
 
-import subprocess
-import sys
-
 import pytest
 
 from blockzoo import config as configs
-from blockzoo.api import Config, MixerConfig, configclass, field
+from blockzoo.api import MixerConfig
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_mamba.config import MambaConfig
+from blockzoo_testing import check_config_error, check_imports_no_torch
 
 
 def structure(data: dict) -> MambaConfig:
@@ -60,8 +58,7 @@ def test_defaults_follow_mamba_ssm():
     ],
 )
 def test_errors_name_the_field(data, message):
-    with pytest.raises(configs.ConfigError, match=rf"\n  mixer\.{message}"):
-        configs.structure({"mixer": data}, _Holder)
+    check_config_error(MambaConfig, data, message)
 
 
 def _run_config(mixer: dict, tensor_parallel: int, **distributed) -> dict:
@@ -101,12 +98,4 @@ def test_registration_and_capabilities():
 
 
 def test_config_module_imports_no_torch():
-    code = "import sys, blockzoo_mamba.config, blockzoo_mamba.plugin; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@configclass
-class _Holder(Config):
-    """Puts the Mamba config under a parent key, so the errors show their full path."""
-
-    mixer: MambaConfig = field(factory=MambaConfig)
+    check_imports_no_torch("blockzoo_mamba.config", "blockzoo_mamba.plugin")

@@ -10,11 +10,12 @@ import pytest
 import yaml
 
 from blockzoo import config as configs
-from blockzoo.api import Config, MixerConfig, configclass, field
+from blockzoo.api import MixerConfig
 from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_mamba_2 import plugin
 from blockzoo_mamba_2.config import Mamba2Config
+from blockzoo_testing import check_config_error, check_imports_no_torch
 
 
 def structure(data: dict) -> Mamba2Config:
@@ -76,8 +77,7 @@ def test_conv_bias_does_not_follow_add_linear_biases():
     ],
 )
 def test_errors_name_the_field(data, message):
-    with pytest.raises(configs.ConfigError, match=rf"\n  mixer\.{message}"):
-        configs.structure({"mixer": data}, _Holder)
+    check_config_error(Mamba2Config, data, message)
 
 
 def test_in_proj_biases_all_on_or_all_off():
@@ -161,12 +161,4 @@ def test_blockzoo_plugins_lists_and_checks_mamba_2():
 
 
 def test_config_module_imports_no_torch():
-    code = "import sys, blockzoo_mamba_2.config, blockzoo_mamba_2.plugin; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@configclass
-class _Holder(Config):
-    """Puts the Mamba 2 config under a parent key, so the errors show their full path."""
-
-    mixer: Mamba2Config = field(factory=Mamba2Config)
+    check_imports_no_torch("blockzoo_mamba_2.config", "blockzoo_mamba_2.plugin")

@@ -17,6 +17,8 @@
 - `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
   `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`
   (`blockzoo_testing.numerics`).
+- A plugin's config tests (`blockzoo_testing.configs`): `check_config_error(config_class, data, message)` (the
+  error names the field by its path), `check_imports_no_torch(*modules)`.
 - A plugin's whole-model tests (`blockzoo_testing.models`): `shortened_example(path, output_dir)` (an example
   config run in seconds), `check_every_parameter_gets_a_gradient(model)`, `check_trains_and_reloads(run_config,
   moved=...)` (the loss falls, the checkpoint reloads), `greedy_by_full_forward(model, prompt, steps)`.
@@ -63,6 +65,8 @@ _LAZY = {
     "run_layer": "blockzoo_testing.layers",
     "single_process": "blockzoo_testing.layers",
     "check_recurrent_slices": "blockzoo_testing.recurrence",
+    "check_config_error": "blockzoo_testing.configs",
+    "check_imports_no_torch": "blockzoo_testing.configs",
     "shortened_example": "blockzoo_testing.models",
     "greedy_by_full_forward": "blockzoo_testing.models",
     "check_trains_and_reloads": "blockzoo_testing.models",
