@@ -14,17 +14,11 @@ from blockzoo_testing import RecurrentSliceTests
 
 class TestDiscreteMamba2Slices(RecurrentSliceTests):
     cases = CASES
+    build = staticmethod(build)
+    reference_forward = staticmethod(reference_forward)
     tolerance = {"atol": 1e-5, "rtol": 1e-5}
     reference_cases = ("one-group-silu-kernel-2", "z-bias-no-conv-bias-mha")
     reference_tolerance = {"atol": 1e-5, "rtol": 1e-5}
     carry_case = "grouped-identity"
     carry_type = SSMCarry
-
-    def build(self, case):
-        return build(case)
-
-    def reference_forward(self, layer, hidden, lengths):
-        return reference_forward(layer, hidden, lengths)
-
-    def generation_carry(self, state):
-        return state.conv[0].T, state.ssm[0]
+    generation_carry = staticmethod(lambda state: (state.conv[0].T, state.ssm[0]))

@@ -35,17 +35,11 @@ CASES = {
 
 class TestGatedDeltaNetSlices(RecurrentSliceTests):
     cases = CASES
+    build = staticmethod(build)
+    reference_forward = staticmethod(reference_forward)
     tolerance = TOLERANCE
     reference_cases = ("grouped-values-short-chunks",)
     reference_tolerance = {"atol": 2e-5, "rtol": 1e-4}
     carry_case = "grouped-values-short-chunks"
     carry_type = SSMCarry
-
-    def build(self, case):
-        return build(case)
-
-    def reference_forward(self, layer, hidden, lengths):
-        return reference_forward(layer, hidden, lengths)
-
-    def generation_carry(self, state):
-        return state.convolution[0].T, state.recurrent[0]
+    generation_carry = staticmethod(lambda state: (state.convolution[0].T, state.recurrent[0]))

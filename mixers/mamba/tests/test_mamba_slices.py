@@ -17,20 +17,14 @@ TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 class TestMambaSlices(RecurrentSliceTests):
     cases = CASES
+    build = staticmethod(build)
+    reference_forward = staticmethod(reference_forward)
     tolerance = TOLERANCE
     reference_cases = ("standard-biases-norms", "grouped-repeat-after-no-biases")
     reference_tolerance = {"atol": 2e-6, "rtol": 1e-5}
     carry_case = "grouped-repeat-before"
     carry_type = SSMCarry
-
-    def build(self, case):
-        return build(case)
-
-    def reference_forward(self, layer, hidden, lengths):
-        return reference_forward(layer, hidden, lengths)
-
-    def generation_carry(self, state):
-        return state.convolution[0].T, state.ssm[0]
+    generation_carry = staticmethod(lambda state: (state.convolution[0].T, state.ssm[0]))
 
 
 def test_the_check_sees_a_slice_that_forgets_the_state_before_it():

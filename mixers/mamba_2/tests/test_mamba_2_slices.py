@@ -13,17 +13,11 @@ from blockzoo_testing import RecurrentSliceTests
 
 class TestMamba2Slices(RecurrentSliceTests):
     cases = CASES
+    build = staticmethod(build)
+    reference_forward = staticmethod(reference_forward)
     tolerance = {"atol": 1e-5, "rtol": 1e-5}
     reference_cases = ("groups-per-group-norm", "biases-dt-limit-no-conv-bias")
     reference_tolerance = {"atol": 2e-5, "rtol": 1e-4}
     carry_case = "groups-per-group-norm"
     carry_type = SSMCarry
-
-    def build(self, case):
-        return build(case)
-
-    def reference_forward(self, layer, hidden, lengths):
-        return reference_forward(layer, hidden, lengths)
-
-    def generation_carry(self, state):
-        return state.convolution[0].T, state.ssm[0]
+    generation_carry = staticmethod(lambda state: (state.convolution[0].T, state.ssm[0]))

@@ -94,7 +94,7 @@ def _carry_problems(layer, hidden, last_length, carry, generation_carry, toleran
 
 class RecurrentSliceTests:
     """Base test class: `check_recurrent_slices` on a table of cases of one recurrent mixer. Subclass it in a test
-    module, set the class attributes and define the three methods; pytest runs three tests:
+    module and set its class attributes (the functions as static methods); pytest runs three tests:
 
     - `test_slices_equal_the_whole_forward_and_every_gradient`, for each of `cases` (within `tolerance`);
     - `test_slices_match_the_reference`, for each of `reference_cases` (within `reference_tolerance`), also checking
@@ -104,36 +104,28 @@ class RecurrentSliceTests:
     Example::
 
         class TestSlices(RecurrentSliceTests):
-            cases = CASES  # name -> whatever `build` takes
+            cases = CASES  # name -> what `build` takes
+            build = staticmethod(build_my_mixer)  # case -> layer
             tolerance = {"atol": 1e-5, "rtol": 1e-5}
+            reference_forward = staticmethod(my_float64_loop)  # (layer, hidden, lengths) -> output
             reference_cases = ("small",)
             reference_tolerance = {"atol": 2e-6, "rtol": 1e-5}
             carry_case = "small"
             carry_type = MyCarry
+            generation_carry = staticmethod(lambda state: (state.convolution[0].T, state.ssm[0]))
 
-            def build(self, case): return build_my_mixer(case)
-            def reference_forward(self, layer, hidden, lengths): return my_float64_loop(layer, hidden, lengths)
-            def generation_carry(self, state): return state.convolution[0].T, state.ssm[0]
+    `reference_forward` and `generation_carry` are those of `check_recurrent_slices`.
     """
 
     cases: ClassVar[Mapping[str, Any]]
+    build: ClassVar[Callable[[Any], Layer]]
     tolerance: ClassVar[Mapping[str, float]]
+    reference_forward: ClassVar[Callable[[Layer, torch.Tensor, list[int]], torch.Tensor]]
     reference_cases: ClassVar[Sequence[str]]
     reference_tolerance: ClassVar[Mapping[str, float]]
     carry_case: ClassVar[str]
     carry_type: ClassVar[type] = object
-
-    def build(self, case: Any) -> Layer:
-        """The layer of one of `cases`."""
-        raise NotImplementedError(f"{type(self).__name__} must define build(self, case) returning the layer")
-
-    def reference_forward(self, layer: Layer, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """The layer's output in float64 with its own parameters (see `check_recurrent_slices`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define reference_forward(self, layer, hidden, lengths)")
-
-    def generation_carry(self, state: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence 0 of a generation state in the carry's layout (see `check_recurrent_slices`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define generation_carry(self, state)")
+    generation_carry: ClassVar[Callable[[Any], tuple[torch.Tensor, torch.Tensor]]]
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "case" in metafunc.fixturenames:
