@@ -13,7 +13,8 @@ why the Trainer's eager hybrid step takes longer than the bare one.
 `--phases` instead runs the Trainer without the profiler (whose own cost distorts a step the host bounds) and prints
 the host's time per step in each part of it (the forward and backward passes, the gradient norm, the optimizer's
 launches, the next step's data, the read of the figures, the rest of the loop), with `--log-interval` steps per log
-line, and the bare step's time beside it.
+line, and the bare step's time beside it. The profiled steps need a CUDA GPU; `--phases` also runs on the CPU (a
+config that does not graph its steps: `training.cuda_graphs=false`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python benchmarks/profile_step.py`: see llama.py
@@ -160,7 +162,7 @@ def trainer_phases(config_path, overrides, arguments) -> None:
         trainer._train_step = timed("step (all of it)", step)
         for name, owner, attribute in (
             ("forward + backward", trainer, "forward_backward"),
-            ("gradient norm, clipping", trainer, "_clip_gradients"),
+            ("gradient norm, clipping", trainer.setup.gradient_norm, "clip"),
             ("optimizer step", trainer.optimizer, "step"),
             ("next step's data", trainer, "_prefetch"),
             ("read of the figures (waits)", trainer, "_read_figures"),
@@ -189,10 +191,11 @@ def trainer_phases(config_path, overrides, arguments) -> None:
         device=device,
     )
     bare = harness.percentile(timing.times_s, 0.5)
-    print(f"## bare step (median between CUDA events): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")
+    clock = "between CUDA events" if device.type == "cuda" else "wall clock"
+    print(f"## bare step (median, {clock}): {bare * 1e3:.1f} ms; the Trainer's wall: {wall / bare - 1:+.1%}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     command = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_argument("config", nargs="?", default=str(harness.REPOSITORY / "examples" / "gpu_hybrid.yaml"))
     command.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the config")
@@ -208,7 +211,9 @@ def main() -> None:
         action="store_true",
         help="the Trainer's random data in whole rows, as the bare step's (else documents of random lengths)",
     )
-    arguments = command.parse_args()
+    arguments = command.parse_args(argv)
+    if not arguments.phases and not torch.cuda.is_available():
+        command.error("the profiled steps run on a CUDA GPU; --phases also runs on the CPU")
     from blockzoo.config import load as load_config
     from blockzoo.run_config import RunConfig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -313,6 +314,19 @@ def test_trainer_step_times_come_from_consecutive_log_lines():
     assert step_times([(2, 13.0), (1, 10.5), (3, 14.0)], start=10.0) == [0.5, 2.5, 1.0]
     assert step_times([(4, 15.0), (2, 11.0)], start=10.0) == [0.5, 0.5, 2.0, 2.0]  # a line every 2 steps
     assert STEP_LINE.search("[#...] step 3/25 | loss 1.2").group(1) == "3"
+
+
+def test_profile_step_phases_time_each_part_of_the_trainer_step_on_the_cpu(capsys):
+    """`profile_step.py --phases` wraps the parts of the Trainer's step it times (the gradient norm's clipping
+    included): each is found, called and reported, here at the trainer suite's tiny shape."""
+    from benchmarks import profile_step
+    from benchmarks.trainer import CASES, TINY, TINY_COMMON
+
+    tiny = [*TINY_COMMON, *TINY["gpu"], FP32]
+    profile_step.main([str(CASES["gpu"]), *tiny, "--phases", "--steps", "2", "--warmup", "1"])
+    times = dict(re.findall(r"^  (\S.*?) +([0-9.]+) ms$", capsys.readouterr().out, re.MULTILINE))
+    parts = ["forward + backward", "gradient norm, clipping", "optimizer step", "next step's data"]
+    assert [part for part in parts if float(times.get(part, 0)) <= 0] == []
 
 
 def test_device_script_is_valid_bash():
