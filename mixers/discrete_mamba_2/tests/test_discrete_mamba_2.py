@@ -20,6 +20,7 @@ from blockzoo_testing import (
     check_packed_documents,
     layer_inputs,
     layer_signature,
+    parameter_shapes,
 )
 
 LENGTHS = [7, 1, 10]  # Not multiples of the chunk size (4); one document shorter than the convolution.
@@ -114,9 +115,8 @@ def test_new_state_shapes():
 
 def test_parameters_and_default_initializations():
     layer = build({**SMALL, "convolution": {"kernel_size": 4}})
-    shapes = {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
     # in_proj rows: x 12, B 10, C 10, z 12, dt 4.
-    assert shapes == {
+    assert parameter_shapes(layer) == {
         "in_proj.weight": (48, 16),
         "convolution.weight": (32, 4),
         "convolution.bias": (32,),

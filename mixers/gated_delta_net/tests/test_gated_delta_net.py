@@ -25,6 +25,8 @@ from blockzoo_testing import (
     check_matches_reference,
     check_packed_documents,
     layer_inputs,
+    parameter_shapes,
+    parameters_without_weight_decay,
     single_process,
 )
 
@@ -130,8 +132,7 @@ def test_packed_documents_equal_separate_runs(case):
 def test_parameter_names_and_shapes():
     layer = build(SMALL)
     # in_proj rows: q (2 key heads · 4) ‖ k (8) ‖ v (4 value heads · 3) ‖ z (12) ‖ b (4) ‖ a (4).
-    shapes = {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
-    assert shapes == {
+    assert parameter_shapes(layer) == {
         "in_proj.weight": (48, 16),
         "convolution.weight": (28, 4),
         "dt_bias": (4,),
@@ -139,7 +140,6 @@ def test_parameter_names_and_shapes():
         "normalization.weight": (3,),
         "out_proj.weight": (16, 12),
     }
-    assert {parameter.meta.name for parameter in layer.parameters()} == {f"mixer.{name}" for name in shapes}
 
 
 def test_default_initializations():
@@ -149,9 +149,7 @@ def test_default_initializations():
     dt = torch.nn.functional.softplus(layer.dt_bias.detach())
     assert bool(((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all())  # log-uniform time steps in [1e-3, 0.1]
     assert bool(layer.normalization.weight.detach().eq(1).all()) and layer.convolution.bias is None
-    settings = {p.meta.name.removeprefix("mixer."): p.meta.settings[0] for p in layer.parameters()}
-    no_decay = {name for name, setting in settings.items() if not setting.weight_decay}
-    assert no_decay == {"dt_bias", "a_log", "normalization.weight"}
+    assert parameters_without_weight_decay(layer) == {"dt_bias", "a_log", "normalization.weight"}
 
 
 @pytest.mark.parametrize("case", ["grouped-values", "one-value-head-per-key-conv-bias"])

@@ -15,6 +15,7 @@ from blockzoo_testing import (
     check_matches_reference,
     check_packed_documents,
     layer_signature,
+    parameter_shapes,
 )
 
 LENGTHS = [5, 1, 7]
@@ -88,8 +89,7 @@ def test_packed_documents_equal_separate_runs(case):
 
 def test_parameter_shapes_of_both_layouts():
     standard = build(CASES["standard-biases-norms"])  # hidden 16, inner 24, state 4, dt_rank 3, kernel 3
-    shapes = {name: tuple(parameter.shape) for name, parameter in standard.named_parameters()}
-    assert shapes == {
+    assert parameter_shapes(standard) == {
         "dt_bias": (24,),
         "a_log": (24, 4),
         "d": (24,),
@@ -108,8 +108,9 @@ def test_parameter_shapes_of_both_layouts():
         "c_norm.weight": (4,),
     }
     grouped = build(CASES["grouped-repeat-after-no-biases"])  # inner 24, xb 8, dt_rank ceil(16 / 16) = 1
-    shapes = {name: tuple(parameter.shape) for name, parameter in grouped.named_parameters()}
-    assert shapes == {
+    # parameter_shapes checks that the factory names every parameter by its module path (checkpoints key tensors
+    # by it).
+    assert parameter_shapes(grouped) == {
         "a_log": (24, 4),
         "d": (24,),
         "in_proj.weight": (24 + 8 + 8 + 24, 16),
@@ -118,8 +119,6 @@ def test_parameter_shapes_of_both_layouts():
         "dt_proj.weight": (24, 1),
         "out_proj.weight": (16, 24),
     }
-    # The parameter factory names every parameter by its module path (checkpoints key tensors by it).
-    assert all(parameter.meta.name == f"mixer.{name}" for name, parameter in grouped.named_parameters())
 
 
 def test_default_initializations():

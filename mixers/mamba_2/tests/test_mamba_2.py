@@ -18,6 +18,8 @@ from blockzoo_testing import (
     check_packed_documents,
     layer_inputs,
     layer_signature,
+    parameter_shapes,
+    parameters_without_weight_decay,
     single_process,
 )
 
@@ -97,8 +99,7 @@ def test_packed_documents_equal_separate_runs(case):
 def test_parameter_names_and_shapes():
     layer = build({**SMALL, "groups": 2, "d_per_channel": True})
     # in_proj rows: z (16) ‖ x (16) ‖ B (2 groups · 3) ‖ C (6) ‖ dt (4 heads); the convolution covers x‖B‖C.
-    shapes = {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
-    assert shapes == {
+    assert parameter_shapes(layer) == {
         "in_proj.weight": (48, 16),
         "convolution.weight": (28, 4),
         "convolution.bias": (28,),
@@ -108,7 +109,6 @@ def test_parameter_names_and_shapes():
         "normalization.weight": (16,),
         "out_proj.weight": (16, 16),
     }
-    assert {parameter.meta.name for parameter in layer.parameters()} == {f"mixer.{name}" for name in shapes}
 
 
 def test_default_initializations():
@@ -121,9 +121,13 @@ def test_default_initializations():
     assert bool(layer.convolution.bias.detach().eq(0).all())
     filters = layer.convolution.weight.detach()
     assert float(filters.abs().max()) <= 0.5 and float(filters.abs().max()) > 0.4  # uniform(±4^-0.5)
-    settings = {p.meta.name.removeprefix("mixer."): p.meta.settings[0] for p in layer.parameters()}
-    no_decay = {name for name, setting in settings.items() if not setting.weight_decay}
-    assert no_decay == {"convolution.bias", "dt_bias", "a_log", "d", "normalization.weight"}
+    assert parameters_without_weight_decay(layer) == {
+        "convolution.bias",
+        "dt_bias",
+        "a_log",
+        "d",
+        "normalization.weight",
+    }
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@
   and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
   cases.
 - `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
-  `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`
-  (`blockzoo_testing.numerics`).
+  `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`,
+  `parameter_shapes(layer)`, `parameters_without_weight_decay(layer)` (`blockzoo_testing.numerics`).
 - A plugin's config tests (`blockzoo_testing.configs`): `check_config_error(config_class, data, message)` (the
   error names the field by its path), `check_imports_no_torch(*modules)`.
 - A plugin's whole-model tests (`blockzoo_testing.models`): `shortened_example(path, output_dir)` (an example
@@ -75,6 +75,8 @@ _LAZY = {
     "check_generation_refusals": "blockzoo_testing.numerics",
     "check_matches_reference": "blockzoo_testing.numerics",
     "reference_activation": "blockzoo_testing.numerics",
+    "parameter_shapes": "blockzoo_testing.numerics",
+    "parameters_without_weight_decay": "blockzoo_testing.numerics",
     "CudaComparison": "blockzoo_testing.cuda",
     "RecurrentSliceTests": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",

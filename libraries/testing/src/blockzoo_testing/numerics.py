@@ -84,3 +84,17 @@ def reference_activation(name: str, x: torch.Tensor) -> torch.Tensor:
     if name != "identity":
         raise ValueError(f"reference_activation: no reference for activation {name!r}")
     return x
+
+
+def parameter_shapes(layer: Layer) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape by its name in the layer, after checking that the parameter factory named it by its
+    module path under the layer's name (checkpoints key tensors by that name)."""
+    for name, parameter in layer.named_parameters():
+        if parameter.meta.name != f"{layer.name}.{name}":
+            raise ConformanceError(f"parameter {name!r} is named {parameter.meta.name!r}, not {layer.name}.{name}")
+    return {name: tuple(parameter.shape) for name, parameter in layer.named_parameters()}
+
+
+def parameters_without_weight_decay(layer: Layer) -> set[str]:
+    """The names in the layer of the parameters whose (first) optimizer settings have no weight decay."""
+    return {name for name, parameter in layer.named_parameters() if not parameter.meta.settings[0].weight_decay}
