@@ -11,7 +11,7 @@ from attention_reference import SEED, build
 from blockzoo.config import ConfigError, structure
 from blockzoo.layers.base import Batch, slice_batch
 from blockzoo.run_config import RunConfig
-from blockzoo_testing import check_forward_slices, layer_inputs, single_process
+from blockzoo_testing import check_forward_slices, forward_over_slices, layer_inputs, single_process
 
 TOLERANCE = {"atol": 2e-5, "rtol": 1e-5}
 # 24 tokens: a document longer than several slices, one of a single token, documents ending on slice boundaries.
@@ -42,13 +42,9 @@ def test_the_flex_kernel_over_slices_gives_the_whole_forward():
     layer = build({**CASES["gqa-window-2"], "implementation": "flex"})
     reference = build(CASES["gqa-window-2"])
     hidden, _ = layer_inputs(sum(LENGTHS), layer.hidden_dim.global_size)
-    carry, outputs = None, []
-    with torch.no_grad():  # FlexAttention has no backward on the CPU
-        for start in range(0, sum(LENGTHS), 6):
-            batch = slice_batch(LENGTHS, start, start + 6)
-            output, carry = layer.forward_slice(hidden[start : start + 6], batch, carry)
-            outputs.append(output)
-        torch.testing.assert_close(torch.cat(outputs), reference(hidden, Batch(LENGTHS)), **TOLERANCE)
+    output, _ = forward_over_slices(layer, hidden, LENGTHS, 6)  # no gradients: FlexAttention has no CPU backward
+    with torch.no_grad():
+        torch.testing.assert_close(output, reference(hidden, Batch(LENGTHS)), **TOLERANCE)
 
 
 def test_the_carry_of_windowed_attention_keeps_the_window_only():

@@ -19,7 +19,7 @@ from mla_reference import RANDOM_BIAS, RANDOM_NORM, SMALL, build
 
 from blockzoo.layers.base import Batch, slice_batch
 from blockzoo_mla.config import MLAConfig
-from blockzoo_testing import check_forward_slices, check_sequence_data_parallel, layer_inputs
+from blockzoo_testing import check_forward_slices, check_sequence_data_parallel, forward_over_slices, layer_inputs
 
 TOLERANCE = {"atol": 2e-5, "rtol": 1e-5}
 LENGTHS = (7, 1, 3, 9, 1, 3)
@@ -70,13 +70,9 @@ def test_the_flex_kernel_over_slices_gives_the_whole_forward():
     layer = build({**CASES["value-wider-than-query-key"], "implementation": "flex"})  # padded value heads too
     reference = build(CASES["value-wider-than-query-key"])
     hidden, _ = layer_inputs(sum(LENGTHS), layer.hidden_dim.global_size)
-    carry, outputs = None, []
-    with torch.no_grad():  # FlexAttention has no backward on the CPU
-        for start in range(0, sum(LENGTHS), 6):
-            batch = slice_batch(LENGTHS, start, start + 6)
-            output, carry = layer.forward_slice(hidden[start : start + 6], batch, carry)
-            outputs.append(output)
-        torch.testing.assert_close(torch.cat(outputs), reference(hidden, Batch(LENGTHS)), **TOLERANCE)
+    output, _ = forward_over_slices(layer, hidden, LENGTHS, 6)  # no gradients: FlexAttention has no CPU backward
+    with torch.no_grad():
+        torch.testing.assert_close(output, reference(hidden, Batch(LENGTHS)), **TOLERANCE)
 
 
 def test_a_slice_whose_carry_is_missing_is_refused():

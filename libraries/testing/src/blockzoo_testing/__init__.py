@@ -13,7 +13,7 @@
 - `check_recurrent_slices(layer, ...)` (`blockzoo_testing.recurrence`): a recurrent mixer whose carry is a
   convolution's inputs and a scan's state (the Mamba family's) over slices: the whole forward, a float64 reference,
   and the carry against the generation state; `RecurrentSliceTests`, a base test class running it on a table of
-  cases.
+  cases; `forward_over_slices(layer, hidden, lengths, slice_length)` (outputs and last carry, no gradients).
 - `check_matches_reference(layer, reference_forward, ...)` (a float64 reference of the plugin's own),
   `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`,
   `parameter_shapes(layer)`, `parameters_without_weight_decay(layer)` (`blockzoo_testing.numerics`).
@@ -79,6 +79,7 @@ _LAZY = {
     "parameters_without_weight_decay": "blockzoo_testing.numerics",
     "CudaComparison": "blockzoo_testing.cuda",
     "RecurrentSliceTests": "blockzoo_testing.recurrence",
+    "forward_over_slices": "blockzoo_testing.recurrence",
     "check_tensor_parallel": "blockzoo_testing.parallel",
     "check_sequence_data_parallel": "blockzoo_testing.parallel",
     "DETERMINISTIC": "blockzoo_testing.tracking",

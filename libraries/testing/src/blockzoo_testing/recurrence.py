@@ -54,7 +54,7 @@ def check_recurrent_slices(
         for slice_length in slice_lengths:
             check_forward_slices(layer, lengths=lengths, slice_length=slice_length, tolerance=tolerance)
     hidden, _ = layer_inputs(sum(lengths), layer.hidden_dim.global_size)
-    runs = [_outputs_over_slices(layer, hidden, list(lengths), slice_length) for slice_length in slice_lengths]
+    runs = [forward_over_slices(layer, hidden, list(lengths), slice_length) for slice_length in slice_lengths]
     problems = []
     if reference_forward is not None:
         expected = reference_forward(layer, hidden, list(lengths))
@@ -69,7 +69,11 @@ def check_recurrent_slices(
     return [carry for _, carry in runs]
 
 
-def _outputs_over_slices(layer: Layer, hidden: torch.Tensor, lengths: list[int], slice_length: int):
+def forward_over_slices(
+    layer: Layer, hidden: torch.Tensor, lengths: Sequence[int], slice_length: int
+) -> tuple[torch.Tensor, Any]:
+    """The mixer's `forward_slice` without gradients over the packed documents of `lengths`, slice after slice of
+    `slice_length` tokens (each taking the carry of the one before): the outputs concatenated and the last carry."""
     outputs, carry = [], None
     with torch.no_grad():
         for start in range(0, len(hidden), slice_length):
