@@ -107,13 +107,7 @@ def run_layer(layer: Layer, hidden: torch.Tensor, batch: Batch, loss_weights: to
     hidden = hidden.detach().clone().requires_grad_()
     output = layer(hidden, batch)
     (output * loss_weights).sum().backward()
-    grads = {
-        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.clone()
-        for name, parameter in layer.named_parameters()
-        if parameter.requires_grad
-    }
-    input_grad = torch.zeros_like(hidden) if hidden.grad is None else hidden.grad
-    return LayerRun(output.detach(), input_grad, grads)
+    return _layer_run(layer, output, hidden)
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,15 +110,7 @@ def check_tensor_parallel(
         seed=seed,
         tensor_parallel=tensor_parallel,
     )
-    try:
-        run_distributed(tensor_parallel, _check_parallel, job)
-    except Exception as error:
-        # Show the ranks' findings as this call's failure, not as a traceback of a child process.
-        marker = f"{ConformanceError.__name__}: "
-        message = str(error)
-        if marker not in message:
-            raise
-        raise ConformanceError(message[message.rindex(marker) + len(marker) :].strip()) from None
+    _run_checks(tensor_parallel, _check_parallel, job)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,8 +361,14 @@ def check_sequence_data_parallel(
         seed=seed,
         explicit=lengths is not None,
     )
+    _run_checks(math.lcm(*sizes), _check_sequence_parallel, job)
+
+
+def _run_checks(world_size: int, check: Callable[[Any], None], job: Any) -> None:
+    """`check(job)` on `world_size` gloo ranks; the ranks' findings raised as this call's ConformanceError, not as a
+    traceback of a child process."""
     try:
-        run_distributed(math.lcm(*sizes), _check_sequence_parallel, job)
+        run_distributed(world_size, check, job)
     except Exception as error:
         marker = f"{ConformanceError.__name__}: "
         message = str(error)
