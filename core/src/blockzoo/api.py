@@ -39,9 +39,9 @@ from blockzoo.conversion import (
     Section,
     Weight,
     WeightMapping,
-    transformers_activation,
 )
-from blockzoo.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, Tokenizer
+from blockzoo.conversion import transformers_activation as format_activation  # the plugin API's neutral name
+from blockzoo.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
 from blockzoo.layers.config import (
@@ -73,6 +73,11 @@ from blockzoo.plugins import PLUGIN_API, PluginInfo, get_registry, hookimpl
 from blockzoo.presets import Preset
 from blockzoo.training.tracking import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_figures
 from blockzoo.training.tracking_config import TrackerConfig
+
+# Deprecated former names, kept so that existing plugins still import them: the same objects as FileTokenizer and
+# format_activation, whose names tie them to no library.
+HuggingFaceTokenizer = FileTokenizer
+transformers_activation = format_activation
 
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
@@ -168,14 +173,14 @@ __all__ = [
     "Section",
     "Weight",
     "WeightMapping",
-    "transformers_activation",
+    "format_activation",
     "FormatNames",
     # Benchmark backends (blockzoo.benchmarks.base) and the tokenizers they are given (blockzoo.data.tokenizer)
     "Benchmark",
     "BenchmarkConfig",
     "BenchmarkResult",
     "ByteTokenizer",
-    "HuggingFaceTokenizer",
+    "FileTokenizer",
     "Tokenizer",
     # Trackers (blockzoo.training.tracking)
     "RunStatus",
@@ -184,6 +189,9 @@ __all__ = [
     "TrackerRun",
     "TrackerRunFile",
     "scalar_figures",
+    # Deprecated former names (above)
+    "HuggingFaceTokenizer",
+    "transformers_activation",
     *_LAZY,
 ]
 

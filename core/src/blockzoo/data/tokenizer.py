@@ -137,7 +137,7 @@ class FileTokenizer(Tokenizer):
         return {"tokenizer.json": text, **_end_of_document(self.eod_token, self.eod_token_id)}
 
 
-HuggingFaceTokenizer = FileTokenizer  # its former name, which `blockzoo.api` and existing imports use
+HuggingFaceTokenizer = FileTokenizer  # its former name, which existing imports still use
 
 
 def _end_of_document(token: str | None, token_id: int | None) -> dict[str, str]:
