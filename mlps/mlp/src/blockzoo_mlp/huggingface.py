@@ -19,7 +19,7 @@ from blockzoo.api import (
     Section,
     Weight,
     WeightMapping,
-    transformers_activation,
+    format_activation,
 )
 from blockzoo_mlp.config import DenseMLPConfig
 
@@ -101,7 +101,7 @@ def mlp_section(
             Rename("intermediate_size", "intermediate_size"),
             Constant("gated", gated),
             *multipliers,
-            transformers_activation(activation),
+            format_activation(activation),
             biases(bias),
         ),
         weights=_weights,

@@ -24,7 +24,7 @@ from blockzoo.api import (
     Section,
     Weight,
     WeightMapping,
-    transformers_activation,
+    format_activation,
 )
 from blockzoo_moe.config import MoEMLPConfig
 
@@ -131,7 +131,7 @@ MIXTRAL = Section(
         Constant("shared_intermediate_size", None),
         Rename("intermediate_size", "intermediate_size"),
         Constant("gated", True),
-        transformers_activation("hidden_act"),
+        format_activation("hidden_act"),
         NO_BIASES,
         routing(None),
         *SOFTMAX_ROUTER,
@@ -214,7 +214,7 @@ def _qwen_section(*, shared: bool, experts_key: str) -> Section:
             *shared_mappings,
             Rename("intermediate_size", "moe_intermediate_size"),
             Constant("gated", True),
-            transformers_activation("hidden_act"),
+            format_activation("hidden_act"),
             NO_BIASES,
             routing("norm_topk_prob"),
             *SOFTMAX_ROUTER,
@@ -255,7 +255,7 @@ JAMBA = Section(
         Constant("shared_intermediate_size", None),
         Rename("intermediate_size", "intermediate_size"),
         Constant("gated", True),
-        transformers_activation("hidden_act"),
+        format_activation("hidden_act"),
         NO_BIASES,
         Computed(
             ("routing", "norm_topk_prob"),
@@ -335,7 +335,7 @@ NEMOTRON_H = Section(
         ),
         Constant("shared_expert_gate", None),
         Constant("gated", False),
-        transformers_activation("mlp_hidden_act"),
+        format_activation("mlp_hidden_act"),
         Computed(NO_BIASES.ours, ("mlp_bias",), import_=_import_nemotron_biases, export=_export_nemotron_biases),
         *_grouped_sigmoid_router(scale=1.0, groups=1, groups_per_token=1),
         Fixed("moe_latent_size", None),
@@ -422,7 +422,7 @@ GRANITE = Section(
         Constant("shared_expert_gate", None),
         Rename("intermediate_size", "intermediate_size"),
         Constant("gated", True),
-        transformers_activation("hidden_act"),
+        format_activation("hidden_act"),
         NO_BIASES,
         routing(None),
         # RECONSTRUCTED (blockzoo-mla helper): the lines from here to the end of GRANITE were lost by an editing
@@ -469,7 +469,7 @@ DEEPSEEK_V3 = Section(
         ),
         Constant("shared_expert_gate", None),
         Constant("gated", True),
-        transformers_activation("hidden_act"),
+        format_activation("hidden_act"),
         NO_BIASES,
         *_grouped_sigmoid_router(scale=2.5, groups=8, groups_per_token=4),
         Ignored(
