@@ -6,7 +6,10 @@ from blockzoo import config as configs
 from blockzoo.api import MixerConfig
 from blockzoo.plugins import get_registry
 from blockzoo_attention.config import AttentionConfig, DefaultRotaryConfig
-from blockzoo_testing import check_config_error, check_imports_no_torch
+from blockzoo_testing import check_config_error, check_imports_no_torch, check_registered
+
+# What the mixer declares: every kind of parallelism and a generation cache.
+CAPABILITIES = {"tensor_parallel", "sequence_tensor_parallel", "sequence_data_parallel", "generation_cache"}
 
 
 def structure(data: dict) -> AttentionConfig:
@@ -65,18 +68,8 @@ def test_odd_head_size_is_fine_without_rotary():
 
 
 def test_registration_and_capabilities():
-    registry = get_registry()
-    assert registry.resolve("mixer", "attention").config_class is AttentionConfig
-    assert registry.resolve("mixer", "attention").load_implementation().__name__ == "Attention"
-    assert set(registry.available("rotary")) >= {"none", "default", "llama3", "yarn"}
-    assert AttentionConfig.capabilities == {
-        "tensor_parallel",
-        "sequence_tensor_parallel",
-        "sequence_data_parallel",
-        "generation_cache",
-    }
-    plugin = registry.plugins["attention"]
-    assert plugin.status == "loaded" and set(plugin.info.capabilities) == AttentionConfig.capabilities
+    check_registered("mixer", "attention", AttentionConfig, "Attention", CAPABILITIES)
+    assert set(get_registry().available("rotary")) >= {"none", "default", "llama3", "yarn"}
 
 
 def test_config_module_imports_no_torch():

@@ -5,11 +5,13 @@ import pytest
 
 from blockzoo import config as configs
 from blockzoo.api import ConfigError, MixerConfig
-from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_discrete_mamba_2 import plugin
 from blockzoo_discrete_mamba_2.config import DiscreteMamba2Config
-from blockzoo_testing import check_config_error, check_imports_no_torch
+from blockzoo_testing import check_config_error, check_imports_no_torch, check_registered
+
+# What the mixer declares: every kind of parallelism and a generation cache.
+CAPABILITIES = {"tensor_parallel", "sequence_tensor_parallel", "sequence_data_parallel", "generation_cache"}
 
 
 def structure(data: dict) -> DiscreteMamba2Config:
@@ -77,18 +79,7 @@ def test_run_config_refuses_a_tensor_parallel_size_that_does_not_divide_groups()
 
 
 def test_registration_and_capabilities():
-    registry = get_registry()
-    entry = registry.resolve("mixer", "discrete_mamba_2")
-    assert entry.config_class is DiscreteMamba2Config
-    assert entry.load_implementation().__name__ == "DiscreteMamba2"
-    assert DiscreteMamba2Config.capabilities == {
-        "tensor_parallel",
-        "sequence_tensor_parallel",
-        "sequence_data_parallel",
-        "generation_cache",
-    }
-    plugin = registry.plugins["discrete_mamba_2"]
-    assert plugin.status == "loaded" and set(plugin.info.capabilities) == DiscreteMamba2Config.capabilities
+    check_registered("mixer", "discrete_mamba_2", DiscreteMamba2Config, "DiscreteMamba2", CAPABILITIES)
     assert isinstance(configs.structure({"type": "discrete_mamba_2", "heads": 4}, MixerConfig), DiscreteMamba2Config)
 
 

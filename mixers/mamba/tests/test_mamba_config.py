@@ -5,10 +5,12 @@ import pytest
 
 from blockzoo import config as configs
 from blockzoo.api import MixerConfig
-from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_mamba.config import MambaConfig
-from blockzoo_testing import check_config_error, check_imports_no_torch
+from blockzoo_testing import check_config_error, check_imports_no_torch, check_registered
+
+# What the mixer declares: every kind of parallelism and a generation cache.
+CAPABILITIES = {"tensor_parallel", "sequence_tensor_parallel", "sequence_data_parallel", "generation_cache"}
 
 
 def structure(data: dict) -> MambaConfig:
@@ -82,18 +84,8 @@ def test_a_layout_the_mixer_cannot_split_is_refused_by_the_run_config(mixer, mes
 
 
 def test_registration_and_capabilities():
-    registry = get_registry()
-    assert registry.resolve("mixer", "mamba").config_class is MambaConfig
-    assert registry.resolve("mixer", "mamba").load_implementation().__name__ == "Mamba"
+    plugin = check_registered("mixer", "mamba", MambaConfig, "Mamba", CAPABILITIES)
     assert isinstance(configs.structure({"type": "mamba"}, MixerConfig), MambaConfig)
-    assert MambaConfig.capabilities == {
-        "tensor_parallel",
-        "sequence_tensor_parallel",
-        "sequence_data_parallel",
-        "generation_cache",
-    }
-    plugin = registry.plugins["mamba"]
-    assert plugin.status == "loaded" and set(plugin.info.capabilities) == MambaConfig.capabilities
     assert plugin.distribution == "blockzoo-mamba" and plugin.types == {"mixer": ["mamba"]}
 
 

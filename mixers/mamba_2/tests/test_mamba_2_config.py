@@ -11,11 +11,13 @@ import yaml
 
 from blockzoo import config as configs
 from blockzoo.api import MixerConfig
-from blockzoo.plugins import get_registry
 from blockzoo.run_config import RunConfig
 from blockzoo_mamba_2 import plugin
 from blockzoo_mamba_2.config import Mamba2Config
-from blockzoo_testing import check_config_error, check_imports_no_torch
+from blockzoo_testing import check_config_error, check_imports_no_torch, check_registered
+
+# What the mixer declares: every kind of parallelism and a generation cache.
+CAPABILITIES = {"tensor_parallel", "sequence_tensor_parallel", "sequence_data_parallel", "generation_cache"}
 
 
 def structure(data: dict) -> Mamba2Config:
@@ -132,18 +134,8 @@ def test_run_config_refuses_layouts_the_mixer_cannot_run(mixer, message):
 
 
 def test_registration_and_capabilities():
-    registry = get_registry()
-    assert registry.resolve("mixer", "mamba_2").config_class is Mamba2Config
-    assert registry.resolve("mixer", "mamba_2").load_implementation().__name__ == "Mamba2"
+    check_registered("mixer", "mamba_2", Mamba2Config, "Mamba2", CAPABILITIES)
     assert isinstance(configs.structure({"type": "mamba_2"}, MixerConfig), Mamba2Config)
-    assert Mamba2Config.capabilities == {
-        "tensor_parallel",
-        "sequence_tensor_parallel",
-        "sequence_data_parallel",
-        "generation_cache",
-    }
-    record = registry.plugins["mamba_2"]
-    assert record.status == "loaded" and set(record.info.capabilities) == Mamba2Config.capabilities
 
 
 def test_blockzoo_plugins_lists_and_checks_mamba_2():

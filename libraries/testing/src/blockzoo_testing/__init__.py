@@ -18,7 +18,8 @@
   `check_bf16_compute(layer, fp32_layer, ...)`, `check_generation_refusals(layer)`, `reference_activation(name, x)`,
   `parameter_shapes(layer)`, `parameters_without_weight_decay(layer)` (`blockzoo_testing.numerics`).
 - A plugin's config tests (`blockzoo_testing.configs`): `check_config_error(config_class, data, message)` (the
-  error names the field by its path), `check_imports_no_torch(*modules)`.
+  error names the field by its path), `check_imports_no_torch(*modules)`,
+  `check_registered(kind, name, config_class, implementation, capabilities)`.
 - A plugin's whole-model tests (`blockzoo_testing.models`): `shortened_example(path, output_dir)` (an example
   config run in seconds), `check_every_parameter_gets_a_gradient(model)`, `check_trains_and_reloads(run_config,
   moved=...)` (the loss falls, the checkpoint reloads), `greedy_by_full_forward(model, prompt, steps)`.
@@ -67,6 +68,7 @@ _LAZY = {
     "check_recurrent_slices": "blockzoo_testing.recurrence",
     "check_config_error": "blockzoo_testing.configs",
     "check_imports_no_torch": "blockzoo_testing.configs",
+    "check_registered": "blockzoo_testing.configs",
     "shortened_example": "blockzoo_testing.models",
     "greedy_by_full_forward": "blockzoo_testing.models",
     "check_trains_and_reloads": "blockzoo_testing.models",
