@@ -6,6 +6,8 @@ module can `from blockzoo.api import MixerConfig, configclass, field` without im
 
 from __future__ import annotations
 
+from typing import Any
+
 from blockzoo._lazy import lazy_attributes
 from blockzoo.benchmarks.base import Benchmark, BenchmarkConfig, BenchmarkResult
 from blockzoo.config import (
@@ -74,10 +76,8 @@ from blockzoo.presets import Preset
 from blockzoo.training.tracking import RunStatus, Tracker, TrackerRun, TrackerRunFile, scalar_figures
 from blockzoo.training.tracking_config import TrackerConfig
 
-# Deprecated former names, kept so that existing plugins still import them: the same objects as FileTokenizer and
-# format_activation, whose names tie them to no library.
-HuggingFaceTokenizer = FileTokenizer
-transformers_activation = format_activation
+# Deprecated former name -> the name that replaced it (tied to no library): existing plugins still import it.
+_FORMER_NAMES = {"HuggingFaceTokenizer": "FileTokenizer", "transformers_activation": "format_activation"}
 
 # name -> module that defines it; imported on first access (these need torch).
 _LAZY = {
@@ -189,11 +189,12 @@ __all__ = [
     "TrackerRun",
     "TrackerRunFile",
     "scalar_figures",
-    # Deprecated former names (above)
-    "HuggingFaceTokenizer",
-    "transformers_activation",
+    *_FORMER_NAMES,
     *_LAZY,
 ]
 
+_lazy_attribute = lazy_attributes(globals(), _LAZY, keep=True)
 
-__getattr__ = lazy_attributes(globals(), _LAZY, keep=True)
+
+def __getattr__(name: str) -> Any:
+    return globals()[_FORMER_NAMES[name]] if name in _FORMER_NAMES else _lazy_attribute(name)
