@@ -129,7 +129,7 @@ def main() -> None:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from blockzoo.api import HuggingFaceTokenizer
+    from blockzoo.api import FileTokenizer
     from blockzoo_lm_eval.backend import BlockzooLM
     from blockzoo_lm_eval.benchmark import flat_metrics, task_manager
 
@@ -143,7 +143,7 @@ def main() -> None:
         contenders = {
             "blockzoo": BlockzooLM(
                 model,
-                HuggingFaceTokenizer(exported / "tokenizer.json"),
+                FileTokenizer(exported / "tokenizer.json"),
                 model.distributed,
                 batch_size=arguments.batch_size,
             ),

@@ -242,11 +242,11 @@ def _word_tokenizer(directory: Path) -> str:
 
 
 def test_every_bad_blend_is_an_exit_2_error_naming_the_source(sources, tmp_path, capsys):
-    from blockzoo.data.tokenizer import HuggingFaceTokenizer
+    from blockzoo.data.tokenizer import FileTokenizer
 
     with DatasetWriter(tmp_path / "empty", ByteTokenizer()):
         pass
-    with DatasetWriter(tmp_path / "words", HuggingFaceTokenizer(_word_tokenizer(tmp_path))) as writer:
+    with DatasetWriter(tmp_path / "words", FileTokenizer(_word_tokenizer(tmp_path))) as writer:
         writer.add([1, 2] * 20)
     web = {"weight": 1, "path": sources["web"]}
     cases = {

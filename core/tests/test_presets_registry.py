@@ -113,7 +113,7 @@ def test_a_preset_needing_a_missing_distribution_is_listed_with_what_to_install(
 
 
 def test_a_plugin_of_an_older_plugin_api_without_the_hook_loads_unchanged(fresh_registry):
-    assert PLUGIN_API == (1, 2)
+    assert PLUGIN_API >= (1, 2)
     for version in ((1, 0), (1, 1)):
         record = register_plugin(plugin(api_version=version), f"old{version[1]}")
         assert record.status == "loaded", record.error

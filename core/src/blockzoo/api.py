@@ -6,6 +6,7 @@ module can `from blockzoo.api import MixerConfig, configclass, field` without im
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from blockzoo._lazy import lazy_attributes
@@ -41,8 +42,8 @@ from blockzoo.conversion import (
     Section,
     Weight,
     WeightMapping,
+    format_activation,
 )
-from blockzoo.conversion import transformers_activation as format_activation  # the plugin API's neutral name
 from blockzoo.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 from blockzoo.distributed.config import DistributedConfig
 from blockzoo.errors import UsageError
@@ -197,4 +198,8 @@ _lazy_attribute = lazy_attributes(globals(), _LAZY, keep=True)
 
 
 def __getattr__(name: str) -> Any:
-    return globals()[_FORMER_NAMES[name]] if name in _FORMER_NAMES else _lazy_attribute(name)
+    if name in _FORMER_NAMES:
+        current = _FORMER_NAMES[name]
+        warnings.warn(f"blockzoo.api.{name} is deprecated: use {current}", DeprecationWarning, stacklevel=2)
+        return globals()[current]
+    return _lazy_attribute(name)

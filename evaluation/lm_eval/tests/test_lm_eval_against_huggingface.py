@@ -13,7 +13,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval_tasks import GENERATION_TASK, MC_TASK, PERPLEXITY_TASK
 
-from blockzoo.api import HuggingFaceTokenizer
+from blockzoo.api import FileTokenizer
 from blockzoo_lm_eval.backend import BlockzooLM
 
 TASKS = [MC_TASK, GENERATION_TASK, PERPLEXITY_TASK]
@@ -39,7 +39,7 @@ def close(ours: float, theirs: float) -> bool:
 def test_every_request_and_metric_as_lm_evals_huggingface_backend(kind, task_dir, request):
     model, exported = request.getfixturevalue(kind)
     ours = evaluate(
-        BlockzooLM(model, HuggingFaceTokenizer(exported / "tokenizer.json"), model.distributed, batch_size=4),
+        BlockzooLM(model, FileTokenizer(exported / "tokenizer.json"), model.distributed, batch_size=4),
         task_dir,
     )
     # One request per forward pass on the Hugging Face side: left padding is not what is tested here.

@@ -184,10 +184,13 @@ class FormatNames(ConfigMapping):
         raise ConversionError(f"`{self.ours[0]}` is named by the format: convert through its format (for_format)")
 
 
-def transformers_activation(theirs: str = "hidden_act") -> FormatNames:
+def format_activation(theirs: str = "hidden_act") -> FormatNames:
     """The `activation` field <-> the activation's name in the format's config (`hidden_act`; absent: silu), as the
-    format names activations (`value_names("activation")`: the Hugging Face formats' table is theirs)."""
+    format names activations (`value_names("activation")`: each format keeps its own table)."""
     return FormatNames("activation", theirs, "activation", default="silu")
+
+
+transformers_activation = format_activation  # its former name, which plugins written for plugin API 1.2 import
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ import pluggy
 
 PROJECT = "blockzoo"
 ENTRY_POINT_GROUP = "blockzoo.plugins"
-PLUGIN_API = (1, 2)  # 1.2 brought register_presets (a plugin written for 1.0 or 1.1 loads unchanged)
+# 1.3 brought blockzoo.api.FileTokenizer and format_activation (names tied to no library); 1.2 register_presets. A
+# plugin written for an older 1.x loads unchanged.
+PLUGIN_API = (1, 3)
 # The plugin API that brought each capability: a plugin written for an older one cannot implement it (1.1 brought
 # Mixer.forward_slice, SequenceData and the slice exchanges). Capabilities not listed are 1.0's.
 CAPABILITY_API = {"sequence_data_parallel": (1, 1)}

@@ -27,7 +27,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from blockzoo.api import Batch, ByteTokenizer, HuggingFaceTokenizer, UsageError
+from blockzoo.api import Batch, ByteTokenizer, FileTokenizer, UsageError
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's Hugging Face backend's, for a model that states none
 DEFAULT_MAX_GEN_TOKS = 256
@@ -41,7 +41,7 @@ class _Codec:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._tokenizers = None
-        if isinstance(tokenizer, HuggingFaceTokenizer):
+        if isinstance(tokenizer, FileTokenizer):
             import tokenizers
 
             self._tokenizers = tokenizers.Tokenizer.from_file(str(tokenizer.path))
@@ -241,7 +241,7 @@ def _end_of_text(tokenizer: Any) -> list[int]:
     """The tokenizer's end-of-text id: its `eod_token_id`, else the `eos_token` of the tokenizer_config.json beside a
     Hugging Face tokenizer.json (what lm-eval's Hugging Face backend uses); none if neither says."""
     stop = getattr(tokenizer, "eod_token_id", None)
-    if stop is None and isinstance(tokenizer, HuggingFaceTokenizer):
+    if stop is None and isinstance(tokenizer, FileTokenizer):
         settings = tokenizer.path.with_name("tokenizer_config.json")
         token = json.loads(settings.read_text()).get("eos_token") if settings.is_file() else None
         token = token.get("content") if isinstance(token, dict) else token
