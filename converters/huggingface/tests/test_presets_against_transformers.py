@@ -181,9 +181,7 @@ def test_a_tiny_copy_round_trips_weights_through_its_format(name, tmp_path):
     preset = blockzoo.presets.get(name)
     # head_dim only where the preset gives one (DeepSeek's and Granite's heads have their own sizes).
     widths = {
-        key: value
-        for key, value in TINY[preset.format].items()
-        if key != "head_dim" or key in preset.format_config
+        key: value for key, value in TINY[preset.format].items() if key != "head_dim" or key in preset.format_config
     }
     tiny = {**preset.format_config, **widths}
     config = transformers.AutoConfig.for_model(**tiny)
