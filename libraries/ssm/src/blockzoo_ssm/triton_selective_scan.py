@@ -46,6 +46,24 @@ def _load_row(pointer, token, row_size, offsets, mask):
 
 
 @triton.jit
+def _channel_block(
+    block, channels, groups, state_size, channels_per_group, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Block `block` of channels: (channel, channel_mask, n, n_mask, bc_offsets, bc_row, state_offsets, state_mask),
+    the channels and state entries with their masks, the offsets of the block's group in a row of B or C and that
+    row's size, and the offsets and mask of the block's [BLOCK_D, BLOCK_N] tile of a [channels, state] tensor."""
+    channel = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    channel_mask = channel < channels  # always true (BLOCK_D divides channels); a tensor to combine masks with
+    n = tl.arange(0, BLOCK_N)
+    n_mask = n < state_size
+    bc_offsets = (block * BLOCK_D // channels_per_group) * state_size + n
+    bc_row = groups * state_size
+    state_offsets = channel[:, None] * state_size + n[None, :]
+    state_mask = channel_mask[:, None] & n_mask[None, :]
+    return channel, channel_mask, n, n_mask, bc_offsets, bc_row, state_offsets, state_mask
+
+
+@triton.jit
 def _forward_kernel(
     u_pointer,
     delta_pointer,
@@ -73,14 +91,9 @@ def _forward_kernel(
     block = tl.program_id(1)
     start = tl.load(cu_seqlens_pointer + document)
     end = tl.load(cu_seqlens_pointer + document + 1)
-    channel = block * BLOCK_D + tl.arange(0, BLOCK_D)
-    channel_mask = channel < channels  # always true (BLOCK_D divides channels); a tensor to combine masks with
-    n = tl.arange(0, BLOCK_N)
-    n_mask = n < state_size
-    bc_offsets = (block * BLOCK_D // channels_per_group) * state_size + n
-    bc_row = groups * state_size
-    state_offsets = channel[:, None] * state_size + n[None, :]
-    state_mask = channel_mask[:, None] & n_mask[None, :]
+    channel, channel_mask, _, n_mask, bc_offsets, bc_row, state_offsets, state_mask = _channel_block(
+        block, channels, groups, state_size, channels_per_group, BLOCK_D, BLOCK_N
+    )
     a = tl.load(a_pointer + state_offsets, mask=state_mask, other=0.0)
     checkpoint = checkpoint_pointer + tl.load(checkpoint_base_pointer + document).to(tl.int64) * channels * state_size
     document_state = tl.cast(document, tl.int64) * channels * state_size  # this document's [channels, state] row
@@ -154,14 +167,9 @@ def _backward_kernel(
     block = tl.program_id(1)
     lanes = tl.num_programs(0)
     blocks = tl.num_programs(1)
-    channel = block * BLOCK_D + tl.arange(0, BLOCK_D)
-    channel_mask = channel < channels
-    n = tl.arange(0, BLOCK_N)
-    n_mask = n < state_size
-    bc_offsets = (block * BLOCK_D // channels_per_group) * state_size + n
-    bc_row = groups * state_size
-    state_offsets = channel[:, None] * state_size + n[None, :]
-    state_mask = channel_mask[:, None] & n_mask[None, :]
+    channel, channel_mask, n, n_mask, bc_offsets, bc_row, state_offsets, state_mask = _channel_block(
+        block, channels, groups, state_size, channels_per_group, BLOCK_D, BLOCK_N
+    )
     a = tl.load(a_pointer + state_offsets, mask=state_mask, other=0.0)
     tile = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + n[None, :]
     scratch = scratch_pointer + (lane * blocks + block).to(tl.int64) * INTERVAL * BLOCK_D * BLOCK_N + tile
