@@ -20,10 +20,12 @@ from blockzoo_gated_delta_net.triton_forward import (
     _decay_ratio,
     _document_chunks,
     _last_row,
+    _load_head_values,
     _load_rows,
     _load_state,
     _read_chunk,
     _state_pointers,
+    _store_head_values,
     _store_rows,
     _store_state,
 )
@@ -117,8 +119,8 @@ def chunk_gradients(
     rows = tl.arange(0, CHUNK)
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-    beta = tl.load(beta_pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
-    b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
+    beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
+    b = _load_head_values(log_decay_pointer, tokens, valid, heads, head)
     base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
     inverse = tl.load(inverse_pointer + base + rows[:, None] * CHUNK + rows[None, :])
     decay = tl.where(valid, tl.exp(b), 0.0)
@@ -205,5 +207,5 @@ def chunk_gradients(
 
     _store_rows(q_gradient_pointer, q_gradient, tokens, valid, heads, head, key_size, BLOCK_K, 0)
     _store_rows(k_gradient_pointer, k_gradient, tokens, valid, heads, head, key_size, BLOCK_K, 0)
-    tl.store(beta_gradient_pointer + tokens * heads + head, beta_gradient, mask=valid)
-    tl.store(g_gradient_pointer + tokens * heads + head, g_gradient, mask=valid)
+    _store_head_values(beta_gradient_pointer, beta_gradient, tokens, valid, heads, head)
+    _store_head_values(g_gradient_pointer, g_gradient, tokens, valid, heads, head)

@@ -39,6 +39,18 @@ def _load_rows(pointer, tokens, valid, heads, head, size, BLOCK: tl.constexpr, o
 
 
 @triton.jit
+def _load_head_values(pointer, tokens, valid, heads, head):
+    """x[tokens, head] of a [tokens, heads] tensor, in fp32 (zeros outside)."""
+    return tl.load(pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_head_values(pointer, value, tokens, valid, heads, head):
+    """x[tokens, head] = value of a [tokens, heads] tensor, where valid."""
+    tl.store(pointer + tokens * heads + head, value, mask=valid)
+
+
+@triton.jit
 def _store_rows(pointer, value, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
     columns = offset + tl.arange(0, BLOCK)
     mask = valid[:, None] & (columns < size)[None, :]
@@ -84,10 +96,10 @@ def prepare_chunks(
     chunk, head = tl.program_id(0), tl.program_id(1)
     tokens, valid, _ = _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-    g = tl.load(g_pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_pointer + tokens * heads + head, mask=valid, other=0.0).to(tl.float32)
+    g = _load_head_values(g_pointer, tokens, valid, heads, head)
+    beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
     b = tl.cumsum(g, 0)
-    tl.store(log_decay_pointer + tokens * heads + head, b, mask=valid)
+    _store_head_values(log_decay_pointer, b, tokens, valid, heads, head)
 
     lower = beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK)
     # T = (I + A)⁻¹ row by row: T[i] = e_i − Σ_{j<i} A[i, j] T[j] (the rows j < i are final when row i is made).
@@ -166,7 +178,7 @@ def _read_chunk(
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
-    b = tl.load(log_decay_pointer + tokens * heads + head, mask=valid, other=0.0)
+    b = _load_head_values(log_decay_pointer, tokens, valid, heads, head)
     b_last = _last_row(b, count, CHUNK)
     to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
     scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
