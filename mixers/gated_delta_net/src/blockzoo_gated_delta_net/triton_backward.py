@@ -19,6 +19,7 @@ from blockzoo_gated_delta_net.triton_forward import (
     _chunk_rows,
     _decay_ratio,
     _document_chunks,
+    _inverse_pointers,
     _last_row,
     _load_head_values,
     _load_rows,
@@ -121,8 +122,7 @@ def chunk_gradients(
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
     b = _load_head_values(log_decay_pointer, tokens, valid, heads, head)
-    base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
-    inverse = tl.load(inverse_pointer + base + rows[:, None] * CHUNK + rows[None, :])
+    inverse = tl.load(_inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK))
     decay = tl.where(valid, tl.exp(b), 0.0)
     b_last = _last_row(b, count, CHUNK)
     to_end = tl.where(valid, tl.exp(b_last - b), 0.0)

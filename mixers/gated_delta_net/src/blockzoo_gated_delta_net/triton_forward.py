@@ -73,6 +73,15 @@ def _last_row(x, count, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _inverse_pointers(pointer, chunk, heads, head, CHUNK: tl.constexpr):
+    """Pointers of T[chunk, head] in a [chunks, heads, CHUNK, CHUNK] tensor (`prepare_chunks` writes it, the
+    backward reads it)."""
+    rows = tl.arange(0, CHUNK)
+    base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
+    return pointer + base + rows[:, None] * CHUNK + rows[None, :]
+
+
+@triton.jit
 def prepare_chunks(
     k_pointer,
     v_pointer,
@@ -109,8 +118,7 @@ def prepare_chunks(
         a_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
         new_row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
         inverse = tl.where(rows[:, None] == i, new_row[None, :], inverse)
-    base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
-    tl.store(inverse_pointer + base + rows[:, None] * CHUNK + rows[None, :], inverse)
+    tl.store(_inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK), inverse)
 
     w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
     _store_rows(w_pointer, w, tokens, valid, heads, head, key_size, BLOCK_K, 0)
