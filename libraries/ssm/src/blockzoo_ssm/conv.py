@@ -16,7 +16,8 @@ from blockzoo.layers.base import Batch
 from blockzoo_ssm.scan import positions_in_batch
 
 ACTIVATIONS = (None, "silu")
-# What the Triton kernels take: channels a multiple of 8 (16-byte aligned rows), up to 8 taps, these dtypes.
+# What the Triton kernels take (`uses_triton_kernel`, their one rule): channels a multiple of 8 (16-byte aligned
+# rows), up to 8 taps (mamba's filters have 4; a longer one takes the torch path), these dtypes.
 KERNEL_MAX_TAPS = 8
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -29,12 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Kernel sizes the kernels are compiled for (mamba's is 4); a longer filter takes the torch path.
-MAX_KERNEL_SIZE = 8
 # Tokens each backward program walks (in tiles of BLOCK_T, which divides it): one row of dweight / dbias partial
 # sums per ROWS_PER_PROGRAM tokens.
 ROWS_PER_PROGRAM = 256
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_T": 32, "BLOCK_C": 128}, num_warps=4),
@@ -304,12 +301,6 @@ class _CausalConv1d(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, positions = ctx.saved_tensors
         return *conv_backward(x, weight, bias, positions, ctx.silu, dy), None, None
-
-
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: channels a multiple of 8 (aligned rows), 1 to MAX_KERNEL_SIZE taps,
-    x in fp32, bf16 or fp16."""
-    return x.shape[1] % 8 == 0 and 1 <= weight.shape[1] <= MAX_KERNEL_SIZE and x.dtype in DTYPES
 
 
 def causal_conv1d_triton(
