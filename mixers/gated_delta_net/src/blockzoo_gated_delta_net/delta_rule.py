@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from blockzoo.api import Batch
+from blockzoo_ssm.scan import positions_in_batch  # computed once per batch, shared with the convolution
 
 L2_NORM_EPSILON = 1.0e-6  # Qwen3-Next's and fla's: x · rsqrt(Σ x² + ε)
 
@@ -233,7 +234,7 @@ def chunked_gated_delta_rule(
     with k = v = β = 0 and no decay, so it changes neither the outputs nor the final states."""
     documents, heads, key_size, value_size = batch.num_documents, v.shape[1], k.shape[-1], v.shape[-1]
     chunks = math.ceil(batch.max_length / chunk_size)
-    rows = (batch.document_index, _positions(batch))
+    rows = (batch.document_index, positions_in_batch(batch))
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(documents, chunks * chunk_size, *x.shape[1:]).index_put(rows, x)
@@ -269,16 +270,6 @@ def chunked_gated_delta_rule(
     output = decayed_q @ torch.stack(starting_states, dim=2) + scores @ torch.stack(new_values, dim=2)
     output = output.flatten(2, 3).transpose(1, 2)  # [documents, padded length, heads, size]
     return output[rows], state
-
-
-def _positions(batch: Batch) -> torch.Tensor:
-    """Each token's position in its document within the batch."""
-
-    def compute() -> torch.Tensor:
-        starts = batch.cu_seqlens[:-1].to(torch.int64)[batch.document_index]
-        return torch.arange(batch.num_tokens, device=batch.device) - starts
-
-    return batch.preprocessed(("gated_delta_net", "positions"), compute)
 
 
 def _fla_gated_delta_rule(q, k, v, g, beta, batch, initial) -> tuple[torch.Tensor, torch.Tensor]:
