@@ -58,26 +58,51 @@ def api_reference() -> str:
         ("blockzoo.api", "`blockzoo.api`", "Everything a plugin may import from blockzoo."),
     ]:
         sections += ["", f"## {title}", "", note]
+        former = former_names(module)
         for name, origin in public_names(module).items():
+            if name in former:
+                continue
             sections += ["", f"::: {origin}.{name}", "    options:", f"      heading: {module}.{name}"]
     return "\n".join(sections) + "\n"
 
 
 def public_names(module: str) -> dict[str, str]:
     """Each name of the module's `__all__` -> the module that defines it, from the imports and the lazy tables
-    (`_API`, `_LAZY`: name -> module) of its source."""
-    path = SOURCE / ("__init__.py" if module == "blockzoo" else module.removeprefix("blockzoo.") + ".py")
-    tree = ast.parse(path.read_text())
+    (`_API`, `_LAZY`: name -> module) of its source; a deprecated former name (`_FORMER_NAMES`: former -> current)
+    -> its current name's module."""
+    tree = ast.parse(_source(module).read_text())
     origins: dict[str, str] = {}
+    tables: dict[str, dict[str, str]] = {}
     exported: list[str] = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockzoo"):
             origins.update({alias.asname or alias.name: node.module for alias in node.names})
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             target = node.targets[0].id
-            if target in ("_API", "_LAZY"):
-                origins.update(ast.literal_eval(node.value))
+            if target in ("_API", "_LAZY", "_FORMER_NAMES"):
+                tables[target] = ast.literal_eval(node.value)
             if target == "__all__":
-                exported = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
-                exported += [n for e in node.value.elts if isinstance(e, ast.Starred) for n in origins]
+                for element in node.value.elts:
+                    if isinstance(element, ast.Constant):
+                        exported.append(element.value)
+                    elif isinstance(element, ast.Starred) and isinstance(element.value, ast.Name):
+                        exported += tables.get(element.value.id, {})
+    origins.update(tables.get("_API", {}), **tables.get("_LAZY", {}))
+    origins.update({former: origins[current] for former, current in tables.get("_FORMER_NAMES", {}).items()})
     return {name: origins[name] for name in exported if name in origins and not name.startswith("_")}
+
+
+def former_names(module: str) -> set[str]:
+    """The module's deprecated former names (`_FORMER_NAMES`): importable, not given a reference entry of their own."""
+    for node in ast.parse(_source(module).read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == "_FORMER_NAMES"
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _source(module: str) -> Path:
+    return SOURCE / ("__init__.py" if module == "blockzoo" else module.removeprefix("blockzoo.") + ".py")

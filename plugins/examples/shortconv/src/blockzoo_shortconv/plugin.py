@@ -14,7 +14,7 @@ def plugin_info() -> PluginInfo:
     return PluginInfo(
         # The plugin API this was written for (blockzoo.api.PLUGIN_API then): a blockzoo of another major, or of an
         # older minor, refuses to load the plugin (docs/plugins/api.md).
-        api_version=(1, 2),
+        api_version=(1, 3),
         capabilities=tuple(sorted(GatedConvolutionConfig.capabilities)),
         description="A gated short causal-convolution mixer: depthwise convolution over each document, gated by silu.",
     )
