@@ -12,7 +12,7 @@ import time
 import pytest
 
 from blockzoo.training.metrics import METRICS_FILE, read_metrics
-from blockzoo.training.tracker_process import ChildProcessTracker, TrackerProcessError
+from blockzoo.training.tracker_process import ChildProcessTracker, TrackerProcessError, _error
 from blockzoo.training.tracking import RunStatus, TrackerRun
 from blockzoo.training.tracking_config import JsonlTrackerConfig
 from blockzoo_testing.tracking import logged_figures, tiny_run_config, train_tiny
@@ -42,6 +42,14 @@ def test_a_failure_in_the_child_is_raised_as_the_childs_own_exception(tmp_path):
         tracker.start(_run(tmp_path / "file" / "run"))
     assert not isinstance(raised.value, TrackerProcessError)
     assert tracker.process.returncode is not None  # the child ended, and the proxy waited for it
+
+
+def test_an_error_of_a_library_s_own_type_comes_back_named_as_that_type():
+    # The child sends the type's name and message only; a type that is not Python's own is not imported here.
+    error = _error("CommError", "network is unreachable")
+    assert isinstance(error, TrackerProcessError) and type(error).__name__ == "CommError"
+    assert str(error) == "network is unreachable"
+    assert type(_error("UnicodeDecodeError", "bad byte")).__name__ == "UnicodeDecodeError"  # wants 5 arguments
 
 
 def test_a_child_that_dies_is_a_failure_naming_it(tmp_path):

@@ -11,9 +11,11 @@ pipe (tens of microseconds), the loop paying its queue put as before.
 `ChildProcessTracker` is a `Tracker` like any other to the host (`Trackers`): its `start`, `log` and `finish` forward
 the calls to the child (`python -m blockzoo.training.tracker_process FD`), which builds the real tracker from its
 config through the same plugin registry and calls it in order. A failure in the child (its library missing, an
-exception in a call) comes back as the exception itself, raised by the next call of the proxy, so the host reports it
-as it reports any tracker's failure. `start` and `finish` wait for the child's answer (a run that needs its trackers
-waits for their start; the end waits for their finish, within the host's limit). The child ignores SIGINT and
+exception in a call) comes back as its type's name and message, raised by the next call of the proxy as an exception of
+that name (the built-in type itself for Python's own), so the host reports it as it reports any tracker's failure.
+The child answers with tuples of strings only: no object of the tracker's library travels back into the training
+process. `start` and `finish` wait for the child's answer (a run that needs its trackers waits for their start; the
+end waits for their finish, within the host's limit). The child ignores SIGINT and
 SIGTERM (the training process handles them and finishes its trackers, `interrupted`), ends when the training process
 closes its end of the pipe, and is killed by the kernel if the training process dies (Linux's parent-death signal),
 as a tracker thread dies with its process.
@@ -21,10 +23,10 @@ as a tracker thread dies with its process.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import multiprocessing.connection
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -38,7 +40,8 @@ EXIT_SECONDS = 30.0  # how long a child that answered its finish may take to exi
 
 
 class TrackerProcessError(RuntimeError):
-    """The tracker's child process ended without an answer, or sent an error that could not be unpickled."""
+    """The tracker's child process ended without an answer, or failed with an error of a type that is not Python's
+    own (a subclass named as that type is raised)."""
 
 
 class ChildProcessTracker(Tracker):
@@ -95,7 +98,7 @@ class ChildProcessTracker(Tracker):
         except (EOFError, ConnectionResetError):
             raise self._ended() from None
         if answer[0] == "failed":
-            raise _error(answer[1])
+            raise _error(*answer[1:])
 
     def _raise_sent_failure(self) -> None:
         """Raise the error the child sent (it ended after a failed call), if it sent one."""
@@ -103,7 +106,7 @@ class ChildProcessTracker(Tracker):
             while self.connection.poll():
                 answer = self.connection.recv()
                 if answer[0] == "failed":
-                    raise _error(answer[1])
+                    raise _error(*answer[1:])
                 return
 
     def _ended(self) -> TrackerProcessError:
@@ -121,20 +124,14 @@ class ChildProcessTracker(Tracker):
                 self.process.kill()
 
 
-def _error(pickled: bytes) -> BaseException:
-    """The child's exception, as it was raised there (its type and message), else a `TrackerProcessError`."""
-    try:
-        error = pickle.loads(pickled)
-    except Exception as problem:  # noqa: BLE001 - an exception that does not unpickle: said as well as we can
-        return TrackerProcessError(f"the tracker failed in its process; its error could not be read ({problem})")
-    return error if isinstance(error, BaseException) else TrackerProcessError(str(error))
-
-
-def _pickled_error(error: BaseException) -> bytes:
-    try:
-        return pickle.dumps(error)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and message as text
-        return pickle.dumps(TrackerProcessError(f"{type(error).__name__}: {error}"))
+def _error(name: str, message: str) -> BaseException:
+    """The child's error from its type's name and message: Python's own type where it is one, else a
+    `TrackerProcessError` of that name."""
+    builtin = getattr(builtins, name, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        with contextlib.suppress(Exception):  # a built-in whose constructor wants more than a message
+            return builtin(message)
+    return type(name, (TrackerProcessError,), {})(message)
 
 
 def _die_with_parent() -> None:
@@ -173,7 +170,7 @@ def serve(connection: multiprocessing.connection.Connection) -> None:
                 return
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the training process
         with contextlib.suppress(OSError):
-            connection.send(("failed", _pickled_error(error)))
+            connection.send(("failed", type(error).__name__, str(error)))
 
 
 def main(argv: list[str]) -> None:
