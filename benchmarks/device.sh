@@ -10,6 +10,8 @@
 # 2. runs each named suite (llama, mamba2, moe, kernels, trainer; ARGUMENTS after a colon go to its command line)
 #    under `timeout`, writing $OUT/<suite>.log and $OUT/<suite>.jsonl as results come;
 # 3. then, when GPU_TESTS names test paths, `pytest -m gpu $GPU_TESTS` under its own timeout ($OUT/gpu-tests.log).
+# 4. leaves $OUT/compile-cache.tar.gz (Triton's and inductor's caches, autotuning included); copied to the project
+#    root as .compile-cache.tar.gz and carried, it spares the next fresh machine its compiling and autotuning.
 # It ends with a summary: each suite's exit status, its ratio lines and failures, the tests' last lines.
 #
 # Environment: OUT (default /tmp/device-out), BUDGET (seconds for the whole script, default 570: a device call may run
@@ -28,7 +30,14 @@ mkdir -p "$OUT"
 
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+# Compiled kernels and autotuning results (Triton's and inductor's) go to one folder; a fresh machine starts from the
+# archive an earlier call left in $OUT (carried back as .compile-cache.tar.gz), so its time goes to measuring rather
+# than autotuning. Both caches key every entry by the source, the GPU and the versions, so a stale entry is a miss.
+CACHE=/tmp/compile-cache
+export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_AUTOTUNING=1
+if [[ -f .compile-cache.tar.gz && ! -d $CACHE ]]; then
+  mkdir -p "$CACHE" && tar -xzf .compile-cache.tar.gz -C "$CACHE" && echo "# compile cache: $(du -sh "$CACHE" | cut -f1) restored"
+fi
 
 for requested in "$@"; do
   name=${requested%%:*}
@@ -114,6 +123,13 @@ if [[ -n $GPU_TESTS ]]; then
   timeout --signal=INT --kill-after=20 "$limit" \
     python3 -m pytest -m gpu -q -rfEs --tb=short --durations=20 -p no:cacheprovider -n 0 $GPU_TESTS >"$OUT/gpu-tests.log" 2>&1
   echo "# gpu tests: exit $?"
+fi
+
+# -- the compile cache, for the next call to carry (a device call carries 64 MiB in all) ----------------------------------
+if [[ -d $CACHE ]]; then
+  tar -czf "$OUT/compile-cache.tar.gz" -C "$CACHE" . 2>/dev/null
+  size_kib=$(du -sk "$OUT/compile-cache.tar.gz" | cut -f1)
+  ((size_kib > 40 * 1024)) && rm -f "$OUT/compile-cache.tar.gz" && echo "# compile cache: $((size_kib / 1024)) MiB, too large to carry"
 fi
 
 # -- summary ------------------------------------------------------------------------------------------------------------
