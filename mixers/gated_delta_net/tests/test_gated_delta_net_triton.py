@@ -17,12 +17,16 @@ import pytest
 import torch
 from gated_delta_net_reference import delta_rule_loop
 
-# (lengths, key_heads, value_heads, key_size, value_size, with initial states, dtype). Chunks of 64 tokens.
+# (lengths, key_heads, value_heads, key_size, value_size, with initial states, dtype[, the largest log decay's
+# magnitude, 0.5 by default]). Chunks of 64 tokens.
 FAST_CASES = [
     ((5, 3), 1, 1, 16, 16, True, torch.float32),
     ((0, 0, 7), 1, 2, 16, 16, True, torch.float32),  # empty documents first, as padded batches have
     ((1, 66, 9), 2, 4, 16, 32, False, torch.float32),  # grouped heads; a document crossing a chunk's end
     ((37, 1), 1, 2, 24, 16, True, torch.bfloat16),  # a key head size that is no power of two
+    # Strong decays (log decays down to -4 a token): a chunk's cumulative decay passes e^-88 within the document,
+    # so the chunk's rows past the document's end must not decay from zero (e^{b_t - b_s} would overflow there).
+    ((50, 20), 1, 1, 16, 16, False, torch.float32, 4.0),
 ]
 SLOW_CASES = [((70, 1, 130, 64), 2, 4, 32, 16, True, torch.float32)]
 FP32_TOLERANCE = 1e-5
@@ -31,7 +35,7 @@ BF16_TOLERANCE = 1e-2
 NAMES = ("q", "k", "v", "g", "beta", "initial")
 
 
-def relative_errors(lengths, key_heads, heads, key_size, value_size, with_initial, dtype, seed=0):
+def relative_errors(lengths, key_heads, heads, key_size, value_size, with_initial, dtype, decay=0.5, seed=0):
     """{"output": error, "final": error, "q": error of dq, ...} of the kernels against the float64 loop."""
     from blockzoo_gated_delta_net.triton_delta_rule import triton_gated_delta_rule
 
@@ -45,7 +49,7 @@ def relative_errors(lengths, key_heads, heads, key_size, value_size, with_initia
         torch.nn.functional.normalize(randn(tokens, key_heads, key_size), dim=-1) * key_size**-0.5,
         torch.nn.functional.normalize(randn(tokens, key_heads, key_size), dim=-1),
         randn(tokens, heads, value_size),
-        -torch.rand(tokens, heads, generator=generator) * 0.5,  # log decays
+        -torch.rand(tokens, heads, generator=generator) * decay,  # log decays
         torch.rand(tokens, heads, generator=generator),
         randn(len(lengths), heads, key_size, value_size),
     ]
@@ -85,7 +89,7 @@ def check_cases(cases) -> list[str]:
     """One line per case and quantity beyond its tolerance (nothing when all pass)."""
     failures = []
     for case in cases:
-        tolerance = BF16_TOLERANCE if case[-1] == torch.bfloat16 else FP32_TOLERANCE
+        tolerance = BF16_TOLERANCE if case[6] == torch.bfloat16 else FP32_TOLERANCE
         errors = relative_errors(*case)
         print(f"{case}: max relative error {max(errors.values()):.2e}", flush=True)
         failures += [f"{case}: {name} relative error {value:.2e} > {tolerance}" for name, value in errors.items()
@@ -158,6 +162,61 @@ def test_head_sizes_the_kernels_cannot_take_are_refused():
 @pytest.mark.slow
 def test_the_layer_and_its_slices_through_the_kernels():
     run_under_interpreter("layer")
+
+
+# Shared memory per block on Hopper (H100, H200): 227 KiB. Triton reports a kernel's need when it compiles it.
+HOPPER_SHARED_MEMORY = 232448
+# The kernels' pointer arguments that are not fp32: bf16 activations (the training case) and int32 chunk tables.
+BF16_ARGUMENTS = ("q", "k", "v", "beta", "output", "output_gradient", "v_gradient")
+INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
+
+
+def shared_memory_on_hopper(kernel, options) -> int:
+    """The shared memory `kernel` needs per block compiled for sm_90 (no GPU needed: Triton compiles for a named
+    target) with the largest blocks the launches use: 128 key channels, 32 value channels, chunks of 64; bf16 inputs;
+    `options` the launch's (num_warps, num_stages). Arguments are declared divisible by 16, as the launches' are."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from blockzoo_gated_delta_net.triton_delta_rule import CHUNK_SIZE, MAX_KEY_SIZE
+
+    constants = {"GROUP": 1, "CHUNK": CHUNK_SIZE, "BLOCK_K": MAX_KEY_SIZE, "BLOCK_V": 32}
+    constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True}
+    signature = {}
+    for name in kernel.arg_names:
+        stem = name.removesuffix("_pointer")
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name == stem:
+            signature[name] = "i32"
+        else:
+            signature[name] = "*bf16" if stem in BF16_ARGUMENTS else "*i32" if stem in INT32_ARGUMENTS else "*fp32"
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants}
+    source = ASTSource(
+        kernel, signature, constexprs={name: constants[name] for name in kernel.arg_names if name in constants},
+        attrs=divisible,
+    )  # fmt: skip
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(options)).metadata.shared
+
+
+def test_the_kernels_fit_a_hopper_gpus_shared_memory():
+    """Each kernel with its launch options, compiled for sm_90: within the 227 KiB a block may use (the interpreter
+    never checks it; on the GPU a kernel past it fails to launch)."""
+    pytest.importorskip("triton")
+    from blockzoo_gated_delta_net import triton_delta_rule as launches
+    from blockzoo_gated_delta_net.triton_backward import chunk_gradients, pass_state_gradients
+    from blockzoo_gated_delta_net.triton_forward import pass_states, prepare_chunks
+
+    kernels = {
+        "prepare_chunks": (prepare_chunks, launches.PREPARE_OPTIONS),
+        "pass_states": (pass_states, launches.STATE_PASS_OPTIONS),
+        "pass_state_gradients": (pass_state_gradients, launches.STATE_PASS_OPTIONS),
+        "chunk_gradients": (chunk_gradients, launches.CHUNK_GRADIENT_OPTIONS),
+    }
+    needs = {name: shared_memory_on_hopper(kernel, options) for name, (kernel, options) in kernels.items()}
+    print(needs)
+    assert all(0 < need <= HOPPER_SHARED_MEMORY for need in needs.values()), needs
 
 
 def test_the_kernel_choice_on_the_cpu(monkeypatch):

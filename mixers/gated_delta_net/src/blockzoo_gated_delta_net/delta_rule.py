@@ -84,7 +84,7 @@ def triton_kernel_available() -> bool:
 def _triton_takes(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
     from blockzoo_gated_delta_net.triton_delta_rule import supports
 
-    return chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0 and supports(q.shape[-1], v.shape[-1])
+    return supports(q.shape[-1], v.shape[-1], chunk_size)
 
 
 def choose_kernel(q: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor, chunk_size: int = 64) -> str:
@@ -93,9 +93,9 @@ def choose_kernel(q: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor, chun
 
     On the CPU, torch. On CUDA, flash-linear-attention's kernel wherever it may run: installed, and, when a gradient
     will be wanted of the inputs, its backward not refused (fla 0.6 refuses it on Hopper with Triton 3.6); else
-    blockzoo's Triton kernels (power-of-two chunks of at least 16 tokens, head sizes 16 to 256); else torch. fla
-    first where both may run (its kernels are the tuned ones; ours have not yet been timed against them on a GPU).
-    The environment variable BLOCKZOO_GATED_DELTA_NET_KERNEL=fla|triton|torch forces one (a kernel that cannot run
+    blockzoo's Triton kernels (chunks of 16, 32 or 64 tokens, key heads of 16 to 128 channels, value heads of at
+    least 16); else torch. fla first where both may run (its kernels are the tuned ones; ours have not yet been
+    timed against them on a GPU). The environment variable BLOCKZOO_GATED_DELTA_NET_KERNEL=fla|triton|torch forces one (a kernel that cannot run
     here raises); "triton" also runs on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     forced = os.environ.get(KERNEL_VARIABLE, "auto")
     if forced not in KERNELS:

@@ -20,8 +20,8 @@ from blockzoo_gated_delta_net.triton_forward import (
     _decay_ratio,
     _document_chunks,
     _inverse_pointers,
-    _last_row,
     _load_head_values,
+    _load_log_decays,
     _load_rows,
     _load_state,
     _read_chunk,
@@ -121,10 +121,9 @@ def chunk_gradients(
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
-    b = _load_head_values(log_decay_pointer, tokens, valid, heads, head)
+    b, b_last = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
     inverse = tl.load(_inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK))
     decay = tl.where(valid, tl.exp(b), 0.0)
-    b_last = _last_row(b, count, CHUNK)
     to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
 
     # The sums over the value channels, a block at a time.

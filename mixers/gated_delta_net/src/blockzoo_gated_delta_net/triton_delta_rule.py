@@ -19,12 +19,18 @@ from blockzoo_gated_delta_net.triton_backward import chunk_gradients, pass_state
 from blockzoo_gated_delta_net.triton_forward import pass_states, prepare_chunks
 
 CHUNK_SIZE = 64
-# Head sizes the kernels take: a block of key channels holds a whole key head (tl.dot wants >= 16 of them).
-MAX_KEY_SIZE = 256
+# Head sizes the kernels take: a block of key channels holds a whole key head (tl.dot wants >= 16 of them). Above
+# 128 key channels the backward's per-chunk kernel needs more shared memory than a Hopper GPU has (227 KiB).
+MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
-# The per-chunk kernels hold several [CHUNK, key_size] and [CHUNK, CHUNK] fp32 tiles: 8 warps spread them over more
-# registers. The state passes take blocks of 32 value channels (more programs, fewer registers each).
-WIDE_WARPS = 8
+# Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
+# kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size]
+# and [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers, and the backward's one cannot keep a
+# second stage of its loads in flight; the state passes take blocks of 32 value channels (more programs, fewer
+# registers each) and overlap two chunks' loads.
+PREPARE_OPTIONS = {"num_warps": 8}
+STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
+CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 1}
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
@@ -33,9 +39,11 @@ def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
     return block_k, block_v
 
 
-def supports(key_size: int, value_size: int) -> bool:
-    """Whether the kernels take these head sizes."""
-    return MIN_HEAD_SIZE <= key_size <= MAX_KEY_SIZE and value_size >= MIN_HEAD_SIZE
+def supports(key_size: int, value_size: int, chunk_size: int = CHUNK_SIZE) -> bool:
+    """Whether the kernels take these head sizes and chunks (powers of two from 16 to 64 tokens: larger ones would
+    not fit the per-chunk kernels' shared memory)."""
+    chunks_fit = chunk_size in (16, 32, 64)
+    return chunks_fit and MIN_HEAD_SIZE <= key_size <= MAX_KEY_SIZE and value_size >= MIN_HEAD_SIZE
 
 
 def chunk_layout(cu_seqlens: torch.Tensor, chunk_size: int, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -81,7 +89,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         u = torch.empty(tokens, heads, value_size, **fp32)
         if chunks:
             prepare_chunks[(chunks, heads)](
-                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, num_warps=WIDE_WARPS
+                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
             )
 
         output = torch.empty_like(v)
@@ -96,7 +104,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
             pass_states[grid](
                 q, k, w, u, log_decay, initial_tensor, cu_seqlens, chunk_offsets,
                 output, final, states, new_values,
-                **sizes, HAS_INITIAL=has_initial, **blocks,
+                **sizes, HAS_INITIAL=has_initial, **blocks, **STATE_PASS_OPTIONS,
             )  # fmt: skip
         ctx.save_for_backward(
             q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets
@@ -125,7 +133,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
                 q, k, w, log_decay, output_gradient,
                 final_gradient.contiguous() if has_final_gradient else initial_gradient,
                 cu_seqlens, chunk_offsets, state_gradients, new_value_gradients, initial_gradient,
-                **sizes, HAS_FINAL_GRADIENT=has_final_gradient, **blocks,
+                **sizes, HAS_FINAL_GRADIENT=has_final_gradient, **blocks, **STATE_PASS_OPTIONS,
             )  # fmt: skip
         q_gradient = torch.zeros(tokens, heads, key_size, **fp32)
         k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
@@ -136,7 +144,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
             chunk_gradients[(chunks, heads)](
                 q, k, v, beta, log_decay, inverse, states, new_values, output_gradient, state_gradients,
                 new_value_gradients, starts, ends, q_gradient, k_gradient, v_gradient, beta_gradient, g_gradient,
-                **sizes, **blocks, num_warps=WIDE_WARPS,
+                **sizes, **blocks, **CHUNK_GRADIENT_OPTIONS,
             )  # fmt: skip
         group = heads // key_heads
         # Value head h read key head h // group: a key head's gradient is the sum over its group.
@@ -168,9 +176,10 @@ def triton_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [tokens, value_heads, value_size] in v's dtype, final states [documents, value_heads, key_size,
     value_size] fp32) of the gated delta rule over the packed documents (see the module's docstring)."""
-    if not supports(q.shape[-1], v.shape[-1]):
+    if not supports(q.shape[-1], v.shape[-1], chunk_size):
         raise ValueError(
-            f"triton_gated_delta_rule: head sizes {q.shape[-1]} (key) and {v.shape[-1]} (value) are outside "
-            f"[{MIN_HEAD_SIZE}, {MAX_KEY_SIZE}] (key) and >= {MIN_HEAD_SIZE} (value)"
+            f"triton_gated_delta_rule: head sizes {q.shape[-1]} (key) and {v.shape[-1]} (value) and chunks of "
+            f"{chunk_size} tokens are outside [{MIN_HEAD_SIZE}, {MAX_KEY_SIZE}] (key), >= {MIN_HEAD_SIZE} (value) and "
+            "16, 32 or 64 tokens"
         )
     return TritonGatedDeltaRule.apply(q, k, v, g, beta, initial, cu_seqlens, chunk_size)

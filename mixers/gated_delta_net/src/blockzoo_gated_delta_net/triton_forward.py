@@ -73,6 +73,16 @@ def _last_row(x, count, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _load_log_decays(pointer, tokens, valid, count, heads, head, CHUNK: tl.constexpr):
+    """(b, b_C) of a chunk from the stored cumulative log decays, the rows past the document's end holding b_C (no
+    further decay, as `prepare_chunks` makes them): with zeros there, e^{b_t − b_s} of a padding row t would overflow
+    once the chunk's decays pass e^-88, and 0 · inf poisons the products that read the row."""
+    b = _load_head_values(pointer, tokens, valid, heads, head)
+    b_last = _last_row(b, count, CHUNK)
+    return tl.where(valid, b, b_last), b_last
+
+
+@triton.jit
 def _inverse_pointers(pointer, chunk, heads, head, CHUNK: tl.constexpr):
     """Pointers of T[chunk, head] in a [chunks, heads, CHUNK, CHUNK] tensor (`prepare_chunks` writes it, the
     backward reads it)."""
@@ -186,8 +196,7 @@ def _read_chunk(
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
-    b = _load_head_values(log_decay_pointer, tokens, valid, heads, head)
-    b_last = _last_row(b, count, CHUNK)
+    b, b_last = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
     to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
     scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
     return tokens, valid, q, k, w, b, b_last, to_end, scores
