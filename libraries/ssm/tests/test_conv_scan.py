@@ -18,9 +18,9 @@ import types
 
 import pytest
 import torch
-from triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 from blockzoo.layers.base import Batch
+from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 LENGTHS = [37, 1, 70, 20]  # chunks of 16: documents across chunk boundaries, a one-token document
 HEADS, HEAD_SIZE, GROUPS, STATE = 4, 8, 2, 8
@@ -157,7 +157,7 @@ def _run_under_interpreter() -> None:
 def test_interpreter_matches_the_torch_path_and_keeps_no_convolution():
     if importlib.util.find_spec("mamba_ssm") is None:
         pytest.skip("mamba_ssm (Triton-only) is not installed")
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, "--interpreter")
 
 
 @pytest.mark.gpu

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 from blockzoo.layers.base import Batch
+from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 # (lengths, channels, kernel_size, bias, activation, dtype). The interpreter's tiles are 8 tokens × 8 channels and
 # each backward program walks 16 tokens, so these cross tiles, programs and documents; small: the interpreter takes
@@ -186,7 +186,7 @@ def _run_under_interpreter() -> None:
 
 
 def test_interpreter_matches_the_float64_loop():
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, "--interpreter")
 
 
 def test_the_shifted_torch_formulation_matches_the_float64_loop():

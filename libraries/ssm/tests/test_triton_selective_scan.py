@@ -13,7 +13,8 @@ import time
 
 import pytest
 import torch
-from triton_interpreter import patch_for_numpy, run_interpreter_cases
+
+from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 # (lengths, channels, groups, state_size, dtype). Lengths cross the checkpoint interval (32) once and twice, one is
 # empty; channel blocks hold all channels, one group of two, or a third of a group (channels 6, groups 2: blocks
@@ -144,7 +145,7 @@ def _run_under_interpreter() -> None:
 
 
 def test_interpreter_matches_the_float64_loop():
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, "--interpreter")
 
 
 def test_bad_inputs_are_named():

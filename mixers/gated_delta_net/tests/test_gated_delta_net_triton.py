@@ -9,13 +9,13 @@ channels and a few chunks; a longer one is marked slow. Errors are relative: ‖
 """
 
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from gated_delta_net_reference import delta_rule_loop
+
+from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter_cases
 
 # (lengths, key_heads, value_heads, key_size, value_size, with initial states, dtype[, the largest log decay's
 # magnitude, 0.5 by default]). Chunks of 64 tokens.
@@ -97,37 +97,10 @@ def check_cases(cases) -> list[str]:
     return failures
 
 
-def patch_for_numpy() -> None:
-    """Triton 3.6's interpreter converts 1-element arrays with int(), which numpy >= 2.4 refuses (the fix of
-    triton-lang/triton#9171, applied until the pinned triton has it; blockzoo-ssm's kernel tests do the same)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_with_scalar_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(())))
-
-    interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
-
-
 def run_under_interpreter(which: str) -> None:
-    """Run this file's `which` cases ("fast" or "slow") under TRITON_INTERPRET=1 in a subprocess; fail with its
-    output if it fails."""
-    pytest.importorskip("triton")
-    pytest.importorskip("numpy")  # Triton's interpreter runs on numpy.
-    started = time.perf_counter()
-    result = subprocess.run(
-        # Overflows are errors: the kernels must compute nothing from memory they never wrote (even where masked).
-        [sys.executable, "-W", "error::RuntimeWarning", __file__, which],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(result.stdout, f"interpreter run: {time.perf_counter() - started:.1f} s")
-    assert result.returncode == 0, result.stdout + result.stderr
+    """This file's `which` cases ("fast", "slow" or "layer") under Triton's interpreter. Overflows are errors: the
+    kernels must compute nothing from memory they never wrote or rows they should have masked."""
+    run_interpreter_cases(__file__, which, overflow_is_error=True)
 
 
 def test_the_kernels_match_the_float64_loop():

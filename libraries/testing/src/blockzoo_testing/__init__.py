@@ -34,6 +34,9 @@
   run of seconds), `train_tiny(config)`, `train_killed_at(config, step)` (a crash after that step's figures were
   logged), `straight_and_resumed(root, *overrides)` (a straight run and one killed after a checkpoint then resumed),
   `logged_figures(output_dir, names)` (its `metrics.jsonl` by step; `DETERMINISTIC` names the figures two runs share).
+- A plugin's Triton kernels on a machine without a GPU (`blockzoo_testing.triton_interpreter`):
+  `run_interpreter_cases(test_file, *arguments)` runs the test file's cases under Triton's interpreter in a
+  subprocess, which calls `patch_for_numpy()` first.
 
 The names load on first access: importing this package imports no torch (pytest loads `blockzoo_testing.pytest_plugin`
 in every run of an environment where blockzoo is installed).
@@ -92,6 +95,8 @@ _LAZY = {
     "tiny_run_config": "blockzoo_testing.tracking",
     "train_killed_at": "blockzoo_testing.tracking",
     "train_tiny": "blockzoo_testing.tracking",
+    "patch_for_numpy": "blockzoo_testing.triton_interpreter",
+    "run_interpreter_cases": "blockzoo_testing.triton_interpreter",
 }
 
 __all__ = list(_LAZY)

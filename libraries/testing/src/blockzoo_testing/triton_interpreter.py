@@ -1,13 +1,17 @@
-"""Running Triton kernels under Triton's CPU interpreter, for the kernels' CPU tests.
+"""Running a plugin's Triton kernels under Triton's CPU interpreter, for tests on machines without a GPU.
 
 The interpreter is chosen when a kernel is defined (from TRITON_INTERPRET), so a test module runs its interpreter
-cases in a subprocess of its own file (`python FILE --interpreter`), which calls `patch_for_numpy()` first.
+cases in a subprocess of its own file: `run_interpreter_cases(__file__, "--interpreter")` from the test, and under
+`if __name__ == "__main__":` the file calls `patch_for_numpy()` and then its cases, exiting non-zero on a failure.
 """
+
+from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -27,18 +31,22 @@ def patch_for_numpy() -> None:
     interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
 
 
-def run_interpreter_cases(test_file: str) -> None:
-    """Run `test_file --interpreter` under TRITON_INTERPRET=1 (skipped without triton or numpy); fail with its output
-    if it exits non-zero."""
+def run_interpreter_cases(
+    test_file: str, *arguments: str, overflow_is_error: bool = False, timeout: float = 900
+) -> None:
+    """Run `python test_file ARGUMENTS` under TRITON_INTERPRET=1 (skipped without triton or numpy) and fail with its
+    output if it exits non-zero. `overflow_is_error`: numpy's overflow and invalid-value warnings fail the run, so a
+    kernel that computes from values it should have masked (even where the result is discarded) is caught."""
     pytest.importorskip("triton")
     pytest.importorskip("numpy")  # Triton's interpreter runs on numpy.
+    options: Sequence[str] = ("-W", "error::RuntimeWarning") if overflow_is_error else ()
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, test_file, "--interpreter"],
+        [sys.executable, *options, test_file, *arguments],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     print(result.stdout, f"interpreter run: {time.perf_counter() - started:.1f} s")
     assert result.returncode == 0, result.stdout + result.stderr
