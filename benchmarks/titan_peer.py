@@ -2,13 +2,16 @@
 own config classes and helpers, our initial weights copied in; its compile, activation checkpointing and Float8
 conversion applied the way its `parallelize_llama` and `Float8LinearConverter` apply them.
 
-Written against torchtitan 0.3.0 and torchao 0.18.0 (benchmarks/make_wheels.sh brings both to the GPU machine). Every
-torchtitan import is inside a function: without it the peer is absent, nothing else.
+Written against torchtitan 0.3.0 and torchao 0.18.0 (benchmarks/make_wheels.sh brings both to the GPU machine); runs on
+torch 2.11 (the GPU machine's) and later, see `_placeholder_for_parallelization`. Every torchtitan import is inside a
+function: without it the peer is absent, nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from collections.abc import Mapping
 
 import torch
@@ -20,8 +23,31 @@ from benchmarks.shapes import LlamaShape, MoEShape, _check_all_mapped, llama_to_
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
+PARALLELIZATION_MODULE = "torchtitan.models.llama3.parallelize"
+
+
+def _placeholder_for_parallelization() -> None:
+    """torchtitan 0.3.0's `llama3` package imports its FSDP parallelization, which imports
+    `torch.distributed.fsdp.DataParallelMeshDims` (torch >= 2.12). The peer runs in one process and never
+    parallelizes, so on an older torch (the GPU machine's 2.11) that one module is replaced by a placeholder that
+    refuses to be called; the model, compile, activation checkpointing, loss and float8 code it uses import as they
+    are. With a torch that has the name, nothing is replaced."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims") or PARALLELIZATION_MODULE in sys.modules:
+        return
+
+    def parallelize_llama(*args, **kwargs):
+        raise RuntimeError(f"torchtitan's parallelization needs torch >= 2.12 (this is {torch.__version__})")
+
+    placeholder = types.ModuleType(PARALLELIZATION_MODULE)
+    placeholder.parallelize_llama = parallelize_llama
+    sys.modules[PARALLELIZATION_MODULE] = placeholder
+
+
 def _import_torchtitan():
     try:
+        _placeholder_for_parallelization()
         import torchtitan.models.llama3 as llama3
     except ImportError as error:
         raise Absent(f"torchtitan does not import: {error} (benchmarks/make_wheels.sh lists what it needs)") from None
