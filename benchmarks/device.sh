@@ -10,8 +10,8 @@
 # 2. runs each named suite (llama, mamba2, moe, kernels, trainer; ARGUMENTS after a colon go to its command line)
 #    under `timeout`, writing $OUT/<suite>.log and $OUT/<suite>.jsonl as results come;
 # 3. then, when GPU_TESTS names test paths, `pytest -m gpu $GPU_TESTS` under its own timeout ($OUT/gpu-tests.log).
-# 4. leaves $OUT/compile-cache.tar.gz (Triton's and inductor's caches, autotuning included); copied to the project
-#    root as .compile-cache.tar.gz and carried, it spares the next fresh machine its compiling and autotuning.
+# 4. leaves $OUT/autotuning.tar.gz (Triton's autotuning results); copied to the project root as .autotuning.tar.gz
+#    and carried, it spares the next fresh machine the minutes its kernels' autotuning takes.
 # It ends with a summary: each suite's exit status, its ratio lines and failures, the tests' last lines.
 #
 # Environment: OUT (default /tmp/device-out), BUDGET (seconds for the whole script, default 570: a device call may run
@@ -30,13 +30,14 @@ mkdir -p "$OUT"
 
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-# Compiled kernels and autotuning results (Triton's and inductor's) go to one folder; a fresh machine starts from the
-# archive an earlier call left in $OUT (carried back as .compile-cache.tar.gz), so its time goes to measuring rather
-# than autotuning. Both caches key every entry by the source, the GPU and the versions, so a stale entry is a miss.
-CACHE=/tmp/compile-cache
-export TRITON_CACHE_DIR=$CACHE/triton TORCHINDUCTOR_CACHE_DIR=$CACHE/inductor TRITON_CACHE_AUTOTUNING=1
-if [[ -f .compile-cache.tar.gz && ! -d $CACHE ]]; then
-  mkdir -p "$CACHE" && tar -xzf .compile-cache.tar.gz -C "$CACHE" && echo "# compile cache: $(du -sh "$CACHE" | cut -f1) restored"
+# Triton's autotuning results (TRITON_CACHE_AUTOTUNING) are what makes a fresh machine's first calls take minutes;
+# compiling a kernel takes seconds. The results an earlier call left in $OUT (carried back as .autotuning.tar.gz)
+# are restored into Triton's cache: each is keyed by the kernel's source, the GPU target, Triton's version and the
+# tuning key, so one made elsewhere is a miss, never a wrong answer.
+export TRITON_CACHE_DIR=/tmp/compile-cache/triton TORCHINDUCTOR_CACHE_DIR=/tmp/compile-cache/inductor TRITON_CACHE_AUTOTUNING=1
+if [[ -f .autotuning.tar.gz && ! -d $TRITON_CACHE_DIR ]]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xzf .autotuning.tar.gz -C "$TRITON_CACHE_DIR" &&
+    echo "# autotuning results restored: $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l) kernels"
 fi
 
 for requested in "$@"; do
@@ -125,11 +126,9 @@ if [[ -n $GPU_TESTS ]]; then
   echo "# gpu tests: exit $?"
 fi
 
-# -- the compile cache, for the next call to carry (a device call carries 64 MiB in all) ----------------------------------
-if [[ -d $CACHE ]]; then
-  tar -czf "$OUT/compile-cache.tar.gz" -C "$CACHE" . 2>/dev/null
-  size_kib=$(du -sk "$OUT/compile-cache.tar.gz" | cut -f1)
-  ((size_kib > 40 * 1024)) && rm -f "$OUT/compile-cache.tar.gz" && echo "# compile cache: $((size_kib / 1024)) MiB, too large to carry"
+# -- the autotuning results, for the next call to carry -----------------------------------------------------------------
+if [[ -d $TRITON_CACHE_DIR ]]; then
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar --null -czf "$OUT/autotuning.tar.gz" -T -)
 fi
 
 # -- summary ------------------------------------------------------------------------------------------------------------
