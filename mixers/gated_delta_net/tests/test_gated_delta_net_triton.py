@@ -123,13 +123,16 @@ def test_the_chunk_layout_cuts_every_document_into_chunks():
     assert offsets.tolist() == [0, 0, 1, 3, 3, 4]  # the empty documents have no chunk
 
 
-def test_head_sizes_the_kernels_cannot_take_are_refused():
+def test_head_and_chunk_sizes_the_kernels_cannot_take_are_refused():
     pytest.importorskip("triton")
     from blockzoo_gated_delta_net.triton_delta_rule import triton_gated_delta_rule
 
-    q = torch.zeros(4, 1, 8)
-    with pytest.raises(ValueError, match="head sizes 8 \\(key\\) and 16 \\(value\\)"):
-        triton_gated_delta_rule(q, q, torch.zeros(4, 1, 16), torch.zeros(4, 1), torch.zeros(4, 1), torch.tensor([0, 4]))
+    gates, cu_seqlens = torch.zeros(4, 1), torch.tensor([0, 4])
+    for key_size, chunk_size in ((8, 64), (256, 64), (16, 128)):
+        q, v = torch.zeros(4, 1, key_size), torch.zeros(4, 1, 16)
+        expected = f"head sizes {key_size} \\(key\\) and 16 \\(value\\) and chunks of {chunk_size} tokens"
+        with pytest.raises(ValueError, match=expected):
+            triton_gated_delta_rule(q, q, v, gates, gates, cu_seqlens, chunk_size=chunk_size)
 
 
 @pytest.mark.slow
