@@ -3,6 +3,9 @@
 #
 #   bash benchmarks/device.sh [SUITE[:ARGUMENTS]]...      e.g.  bash benchmarks/device.sh llama "kernels:--cases ce-128256"
 #
+# A SUITE ending in .py is a script of its own (a mixer's benchmark, e.g.
+# mixers/gated_delta_net/benchmarks/gdn_kernel.py:--no-torch), run with its ARGUMENTS and no --json.
+#
 # 1. installs .whl/*.whl (made on a CPU machine by benchmarks/make_wheels.sh: cattrs, a Triton-only mamba-ssm,
 #    liger-kernel, flash-linear-attention, torchtitan and torchao with their light imports) into /tmp/site with `pip --no-index --no-deps --target`, and the project's
 #    distributions editable with `--no-deps --no-build-isolation` (skipped when a previous call on this machine
@@ -42,7 +45,7 @@ fi
 
 for requested in "$@"; do
   name=${requested%%:*}
-  if [[ ! " ${SUITES[*]} " == *" $name "* ]]; then
+  if [[ $name != *.py && ! " ${SUITES[*]} " == *" $name "* ]]; then
     echo "unknown suite '$name' (suites: ${SUITES[*]}; arguments after a colon: llama:--cases 4x4096)" >&2
     exit 2
   fi
@@ -106,9 +109,11 @@ for requested in "$@"; do
     continue
   fi
   echo "# $name $arguments: up to $limit s"
+  log=$OUT/$(basename "$name" .py).log
+  command=(python3 "benchmarks/$name.py" --json "$OUT/$name.jsonl")
+  [[ $name == *.py ]] && command=(python3 "$name")
   # shellcheck disable=SC2086 # the suite's arguments are words
-  timeout --signal=INT --kill-after=20 "$limit" \
-    python3 "benchmarks/$name.py" --json "$OUT/$name.jsonl" $arguments >"$OUT/$name.log" 2>&1
+  timeout --signal=INT --kill-after=20 "$limit" "${command[@]}" $arguments >"$log" 2>&1
   code=$?
   status[$requested]=$code
   ((code == 124)) && status[$requested]="124 (timed out after $limit s)"
@@ -137,8 +142,13 @@ echo "# summary (full logs and JSON lines in $OUT)"
 for requested in "$@"; do
   name=${requested%%:*}
   echo "## $requested: exit ${status[$requested]:-not run}"
-  [[ -f $OUT/$name.log ]] && grep -E "^[a-z0-9]+ / | vs | against the fastest |: (out of memory|error|absent)|Traceback|Error" \
-    "$OUT/$name.log" | grep -v "^  File " | cut -c1-240
+  log=$OUT/$(basename "$name" .py).log
+  if [[ $name == *.py && -f $log ]]; then
+    grep -v "^  " "$log" | tail -12 | cut -c1-240
+  elif [[ -f $log ]]; then
+    grep -E "^[a-z0-9]+ / | vs | against the fastest |: (out of memory|error|absent)|Traceback|Error" "$log" |
+      grep -v "^  File " | cut -c1-240
+  fi
 done
 if [[ -n $GPU_TESTS && -f $OUT/gpu-tests.log ]]; then
   echo "## gpu tests"
