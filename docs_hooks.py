@@ -70,11 +70,24 @@ def public_names(module: str) -> dict[str, str]:
     """Each name of the module's `__all__` -> the module that defines it, from the imports and the lazy tables
     (`_API`, `_LAZY`: name -> module) of its source; a deprecated former name (`_FORMER_NAMES`: former -> current)
     -> its current name's module."""
-    tree = ast.parse(_source(module).read_text())
+    origins, tables, exported = _read(module)
+    origins.update(tables.get("_API", {}), **tables.get("_LAZY", {}))
+    origins.update({former: origins[current] for former, current in tables.get("_FORMER_NAMES", {}).items()})
+    return {name: origins[name] for name in exported if name in origins and not name.startswith("_")}
+
+
+def former_names(module: str) -> set[str]:
+    """The module's deprecated former names (`_FORMER_NAMES`): importable, not given a reference entry of their own."""
+    return set(_read(module)[1].get("_FORMER_NAMES", {}))
+
+
+def _read(module: str) -> tuple[dict[str, str], dict[str, dict[str, str]], list[str]]:
+    """What the module's source says at its top level: (imported name -> module, its tables by name, `__all__`)."""
+    path = SOURCE / ("__init__.py" if module == "blockzoo" else module.removeprefix("blockzoo.") + ".py")
     origins: dict[str, str] = {}
     tables: dict[str, dict[str, str]] = {}
     exported: list[str] = []
-    for node in tree.body:
+    for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockzoo"):
             origins.update({alias.asname or alias.name: node.module for alias in node.names})
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
@@ -87,22 +100,4 @@ def public_names(module: str) -> dict[str, str]:
                         exported.append(element.value)
                     elif isinstance(element, ast.Starred) and isinstance(element.value, ast.Name):
                         exported += tables.get(element.value.id, {})
-    origins.update(tables.get("_API", {}), **tables.get("_LAZY", {}))
-    origins.update({former: origins[current] for former, current in tables.get("_FORMER_NAMES", {}).items()})
-    return {name: origins[name] for name in exported if name in origins and not name.startswith("_")}
-
-
-def former_names(module: str) -> set[str]:
-    """The module's deprecated former names (`_FORMER_NAMES`): importable, not given a reference entry of their own."""
-    for node in ast.parse(_source(module).read_text()).body:
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id == "_FORMER_NAMES"
-        ):
-            return set(ast.literal_eval(node.value))
-    return set()
-
-
-def _source(module: str) -> Path:
-    return SOURCE / ("__init__.py" if module == "blockzoo" else module.removeprefix("blockzoo.") + ".py")
+    return origins, tables, exported
