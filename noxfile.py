@@ -4,6 +4,7 @@ runs the generated project's tests; `nox -s dist` builds, checks and installs wh
 builds the documentation site. Sessions install from the repository's paths, never from an index (but third-party
 requirements)."""
 
+import functools
 import os
 import re
 import shlex
@@ -84,8 +85,25 @@ def with_local_requirements(folders, extra: str | None) -> list[Path]:
     return found
 
 
+def discarded_on_ci(function):
+    """Where CI is set, the session's environment is deleted once the session has run: CI makes every environment
+    anew in a fresh clone, and twenty-odd of them, each with torch, would fill a small disk."""
+
+    @functools.wraps(function)
+    def session_then_discard(session: nox.Session, *args, **kwargs):
+        try:
+            function(session, *args, **kwargs)
+        finally:
+            location = getattr(session.virtualenv, "location", None)
+            if os.environ.get("CI") and location:
+                shutil.rmtree(location, ignore_errors=True)
+
+    return session_then_discard
+
+
 @nox.session
 @nox.parametrize("distribution", [nox.param(name, id=name) for name in ["all", *distributions()]])
+@discarded_on_ci
 def tests(session: nox.Session, distribution: str) -> None:
     """`tests(all)`: every distribution installed together, every test. `tests(<distribution>)`: that
     distribution with the core and nothing else, its own tests but those marked `slow` or `distributed` (they ran
@@ -131,6 +149,7 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+@discarded_on_ci
 def template(session: nox.Session) -> None:
     """Bake the plugin template (plugins/template) once per kind into a temporary directory outside the repository,
     install each project with the core into this session's environment, and run its tests: a generated project passes
@@ -159,6 +178,7 @@ def template(session: nox.Session) -> None:
 
 
 @nox.session
+@discarded_on_ci
 def dist(session: nox.Session) -> None:
     """What a release publishes (docs/releasing.md): every distribution's sdist, and its wheel built from that sdist
     (as pip builds from source: a file the sdist lacks is then missing from the wheel too), into dist/; checked by
@@ -214,6 +234,7 @@ def _bash_block(markdown: str, heading: str) -> list[str]:
 
 
 @nox.session
+@discarded_on_ci
 def docs(session: nox.Session) -> None:
     """The documentation site (mkdocs.yml), built with warnings as errors into site/. The distributions are
     installed without their dependencies: the config reference is generated from their config modules, which import
