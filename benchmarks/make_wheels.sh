@@ -6,7 +6,8 @@
 #   bash benchmarks/make_wheels.sh [DEST]        then carry `.whl` in the device call (it is git-ignored)
 #
 # What and why:
-# - cattrs (the config layer's dependency);
+# - cattrs (the config layer's dependency) and xxhash (the checkpoints' checksums; compiled: the wheel for that
+#   machine's Python 3.12);
 # - mamba-ssm built WITHOUT its CUDA extension: pure Python + Triton kernels (building CUDA there takes too long);
 # - pure-Triton kernel peers: liger-kernel, flash-linear-attention + fla-core;
 # - torchtitan 0.3.0 (the Llama 3 / MoE peer; pure Python) with the light packages its model code imports:
@@ -24,6 +25,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: -d "$dest" cattrs==26.2
   liger-kernel==0.8.5 flash-linear-attention==0.6.0 fla-core==0.6.0 \
   torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 docstring-parser==0.18.0 \
   typeguard==4.6.1 torchao==0.18.0
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
+  -d "$dest" xxhash==4.1.0
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
   python3 -m pip wheel -q --no-deps --no-build-isolation -w "$dest" mamba-ssm==2.3.2.post1
 ls -la "$dest"

@@ -351,9 +351,8 @@ def drop_checksums(directory: Path) -> None:
 
 def test_every_file_has_a_checksum_that_loading_verifies(copy):
     checksums = yaml.safe_load((copy / "metadata.yaml").read_text())["checksums"]
-    assert checksums["algorithm"] == "sha256-16MiB-chunks"
+    assert checksums["algorithm"] == "xxh3-128"
     assert sorted(checksums["files"]) == ["config.yaml", "model.safetensors", "optimizer.safetensors"]
-    assert checksums["files"]["model.safetensors"] == blockzoo.checkpoint.file_checksum(copy / "model.safetensors")
     for name in ("model.safetensors", "optimizer.safetensors"):
         original = (copy / name).read_bytes()
         flip_a_tensor_byte(copy / name)
@@ -364,40 +363,83 @@ def test_every_file_has_a_checksum_that_loading_verifies(copy):
     verify_checkpoint(copy)
 
 
-def test_the_chunked_checksum_is_the_sha256_of_the_chunk_digests(tmp_path, monkeypatch):
+def test_a_saved_checkpoint_records_the_xxh3_of_its_files(copy):
+    # The reference: xxhash's one-shot XXH3-128 of each file's bytes, read back whole.
+    import xxhash
+
+    checksums = yaml.safe_load((copy / "metadata.yaml").read_text())["checksums"]["files"]
+    for file, digest in checksums.items():
+        assert digest == xxhash.xxh3_128_hexdigest((copy / file).read_bytes()), file
+
+
+def test_the_xxh3_of_a_mapped_file_is_that_of_its_bytes(tmp_path):
+    # Hashed a 1 MiB piece at a time from the map (each unmapped once hashed), a tail, an empty file.
+    import xxhash
+
+    data = os.urandom(3 * 2**20 + 12345)
+    (tmp_path / "file").write_bytes(data)
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "file") == xxhash.xxh3_128_hexdigest(data)
+    (tmp_path / "empty").write_bytes(b"")
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "empty") == xxhash.xxh3_128_hexdigest(b"")
+
+
+def sha256_chunks(data: bytes, chunk: int) -> str:
+    """The SHA-256 of the SHA-256 digests of `data`'s chunks (an empty file: one empty chunk), by hashlib: what
+    earlier checkpoints record."""
     import hashlib
 
+    starts = range(0, max(len(data), 1), chunk)
+    digests = b"".join(hashlib.sha256(data[start : start + chunk]).digest() for start in starts)
+    return hashlib.sha256(digests).hexdigest()
+
+
+def test_the_chunked_sha256_is_the_sha256_of_the_chunk_digests(tmp_path, monkeypatch):
     monkeypatch.setattr(blockzoo.checkpoint.checksums, "_CHUNK", 1000)
     data = os.urandom(4321)
     (tmp_path / "file").write_bytes(data)
-    digests = b"".join(hashlib.sha256(data[start : start + 1000]).digest() for start in range(0, 4321, 1000))
-    assert blockzoo.checkpoint.file_checksum(tmp_path / "file") == hashlib.sha256(digests).hexdigest()
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "file", algorithm="sha256-16MiB-chunks") == sha256_chunks(
+        data, 1000
+    )
 
 
-def test_the_chunked_checksum_of_a_mapped_file_is_that_of_its_bytes(tmp_path):
+def test_the_chunked_sha256_of_a_mapped_file_is_that_of_its_bytes(tmp_path):
     # Chunks of 16 MiB (page-aligned: hashed from the map, then unmapped) and a tail; the reference: hashlib.
-    import hashlib
-
     data = os.urandom(2 * 2**24 + 12345)
     (tmp_path / "file").write_bytes(data)
-    digests = b"".join(hashlib.sha256(data[start : start + 2**24]).digest() for start in range(0, len(data), 2**24))
-    assert blockzoo.checkpoint.file_checksum(tmp_path / "file") == hashlib.sha256(digests).hexdigest()
+    legacy = "sha256-16MiB-chunks"
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "file", algorithm=legacy) == sha256_chunks(data, 2**24)
     (tmp_path / "empty").write_bytes(b"")
-    empty = hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
-    assert blockzoo.checkpoint.file_checksum(tmp_path / "empty") == empty
+    assert blockzoo.checkpoint.file_checksum(tmp_path / "empty", algorithm=legacy) == sha256_chunks(b"", 2**24)
 
 
-def test_a_saved_checkpoint_records_the_checksums_of_its_bytes(tmp_path, monkeypatch):
-    # Small chunks, so that the tensors of the file span many; the reference: hashlib over the files read back.
-    import hashlib
+def test_a_checkpoint_with_sha256_checksums_still_loads_and_is_verified(copy):
+    # As blockzoo wrote checkpoints before XXH3: every file's chunked SHA-256, recorded with that algorithm's name.
+    path = copy / "metadata.yaml"
+    metadata = yaml.safe_load(path.read_text())
+    files = {file: sha256_chunks((copy / file).read_bytes(), 2**24) for file in metadata["checksums"]["files"]}
+    metadata["checksums"] = {"algorithm": "sha256-16MiB-chunks", "files": files}
+    path.write_text(yaml.safe_dump(metadata))
+    verify_checkpoint(copy)
+    model = blockzoo.load(copy)
+    saved = load_file(copy / "model.safetensors")
+    assert all(torch.equal(saved[name], parameter) for name, parameter in model.named_parameters())
+    flip_a_tensor_byte(copy / "model.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        verify_checkpoint(copy)
+    assert caught.value.problem.startswith("corrupted or rewritten since")
 
-    monkeypatch.setattr(blockzoo.checkpoint.checksums, "_CHUNK", 4096)
-    train(configure(tmp_path, "training.train_iters=1"))
-    metadata = yaml.safe_load((tmp_path / "step_1" / "metadata.yaml").read_text())
-    for file in ("model.safetensors", "optimizer.safetensors", "config.yaml"):
-        data = (tmp_path / "step_1" / file).read_bytes()
-        digests = b"".join(hashlib.sha256(data[start : start + 4096]).digest() for start in range(0, len(data), 4096))
-        assert metadata["checksums"]["files"][file] == hashlib.sha256(digests).hexdigest(), file
+
+def test_an_unknown_checksum_algorithm_is_refused_by_name(copy):
+    path = copy / "metadata.yaml"
+    metadata = yaml.safe_load(path.read_text())
+    metadata["checksums"]["algorithm"] = "md5"
+    path.write_text(yaml.safe_dump(metadata))
+    with pytest.raises(CheckpointError) as caught:
+        blockzoo.load(copy)
+    assert caught.value.path == path
+    assert caught.value.problem == (
+        "unknown checksum algorithm 'md5' (this blockzoo knows xxh3-128, sha256-16MiB-chunks)"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -421,3 +421,22 @@ def test_a_base_config_field_added_since_the_save_at_its_default_is_no_differenc
     del older["model"]["decoder"]["block"]["mlp"]["intermediate_size"]  # 48, the default 4096
     with pytest.raises(CheckpointError, match=r"model\.decoder\.block\.mlp\.intermediate_size was 4096, is 48"):
         check_base("the checkpoint", older)
+
+
+def test_a_base_recorded_with_sha256_checksums_is_still_checked(base_checkpoint):
+    """A checkpoint saved before XXH3 records its base's weights by the chunked SHA-256: the base is hashed anew by
+    that algorithm (hashlib's digests of the file's chunks, the reference), so an unchanged base passes and a changed
+    one is refused."""
+    import hashlib
+
+    data = (base_checkpoint / "model.safetensors").read_bytes()
+    chunks = b"".join(hashlib.sha256(data[start : start + 2**24]).digest() for start in range(0, len(data), 2**24))
+    older = copy.deepcopy(base_reference(base_checkpoint))
+    older["checksums"] = {
+        "algorithm": "sha256-16MiB-chunks",
+        "files": {"model.safetensors": hashlib.sha256(chunks).hexdigest()},
+    }
+    check_base("the checkpoint", older)
+    _changed_weights(base_checkpoint)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors differs"):
+        check_base("the checkpoint", older)

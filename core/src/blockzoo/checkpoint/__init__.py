@@ -37,12 +37,12 @@ before writing; pruning renames a directory to `.<name>.deleting` before removin
 looks complete; `latest_checkpoint` skips (and reports) checkpoints that fail verification.
 
 The code, by concern: `format` (the names, errors and YAML files), `writing` (a durable save: temporary directory,
-fsync, atomic rename) with `gather` (the tensors streamed across ranks), `space` (free-space checks) and `checksums`
-(threaded), `reading` (verifying and loading), `metadata`, `retention` (the latest checkpoint, pruning),
+fsync, atomic rename) with `gather` (the tensors streamed across ranks), `space` (free-space checks) and
+`checksums`, `reading` (verifying and loading), `metadata`, `retention` (the latest checkpoint, pruning),
 `plugin_versions` (the plugins a checkpoint needs) and `origin` (an imported model's files).
 """
 
-from blockzoo.checkpoint.checksums import CHECKSUM_ALGORITHM, file_checksum, usable_cpus
+from blockzoo.checkpoint.checksums import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, file_checksum, usable_cpus
 from blockzoo.checkpoint.format import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -61,6 +61,7 @@ from blockzoo.checkpoint.writing import record_checksum, save_checkpoint
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CHECKSUM_ALGORITHMS",
     "CONFIG_FILE",
     "FORMAT_VERSION",
     "METADATA_FILE",

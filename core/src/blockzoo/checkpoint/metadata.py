@@ -10,7 +10,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from blockzoo import __version__
-from blockzoo.checkpoint.checksums import CHECKSUM_ALGORITHM, verify_checksum
+from blockzoo.checkpoint.checksums import CHECKSUM_ALGORITHMS, verify_checksum
 from blockzoo.checkpoint.format import CONFIG_FILE, FORMAT_VERSION, METADATA_FILE, CheckpointError, read_yaml
 from blockzoo.checkpoint.plugin_versions import check_plugins
 
@@ -58,10 +58,11 @@ def _check_checksums_entry(path: Path, metadata: Mapping[str, Any]) -> None:
     checksums = metadata["checksums"]
     if not isinstance(checksums, dict) or not isinstance(checksums.get("files"), dict):
         raise CheckpointError(path, f"`checksums` is not a mapping with `algorithm` and `files`: {checksums!r}")
-    if checksums.get("algorithm") != CHECKSUM_ALGORITHM:
+    if checksums.get("algorithm") not in CHECKSUM_ALGORITHMS:
         raise CheckpointError(
             path,
-            f"unknown checksum algorithm {checksums.get('algorithm')!r} (this blockzoo knows {CHECKSUM_ALGORITHM})",
+            f"unknown checksum algorithm {checksums.get('algorithm')!r} (this blockzoo knows "
+            f"{', '.join(CHECKSUM_ALGORITHMS)})",
         )
 
 

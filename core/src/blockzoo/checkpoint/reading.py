@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockzoo.checkpoint.checksums import file_checksum, verify_checksum
+from blockzoo.checkpoint.checksums import CHECKSUM_ALGORITHM, file_checksum, verify_checksum
 from blockzoo.checkpoint.format import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -42,9 +42,10 @@ def verify_checkpoint(directory: str | Path) -> None:
                 pass
 
 
-def weights_checksums(directory: str | Path) -> dict[str, str]:
-    """{weights file: checksum} of a native checkpoint: the one its metadata records (computed for a checkpoint
-    older than the checksums). A checkpoint holding adapters only is no base for another (it has no base weights)."""
+def weights_checksums(directory: str | Path, algorithm: str = CHECKSUM_ALGORITHM) -> dict[str, str]:
+    """{weights file: checksum by `algorithm`} of a native checkpoint: the one its metadata records where it records
+    one by that algorithm, else computed. A checkpoint holding adapters only is no base for another (it has no base
+    weights)."""
     directory = Path(directory)
     metadata = read_metadata(directory)
     if metadata.get("base"):
@@ -54,8 +55,9 @@ def weights_checksums(directory: str | Path) -> dict[str, str]:
             "another checkpoint; write the fine-tuned model whole first: blockzoo convert "
             f"{directory} DESTINATION --merged",
         )
-    recorded = (metadata.get("checksums") or {}).get("files", {}).get(MODEL_FILE)
-    return {MODEL_FILE: recorded or file_checksum(directory / MODEL_FILE)}
+    checksums = metadata.get("checksums") or {}
+    recorded = checksums.get("files", {}).get(MODEL_FILE) if checksums.get("algorithm") == algorithm else None
+    return {MODEL_FILE: recorded or file_checksum(directory / MODEL_FILE, algorithm=algorithm)}
 
 
 def load_checkpoint(

@@ -158,7 +158,7 @@ def record_checksum(directory: Path, file: str) -> None:
     checksums = metadata.get("checksums")
     if not isinstance(checksums, dict) or file not in checksums.get("files", {}):
         raise CheckpointError(directory / METADATA_FILE, f"records no checksum of {file} to update")
-    checksums["files"][file] = file_checksum(directory / file)
+    checksums["files"][file] = file_checksum(directory / file, algorithm=checksums["algorithm"])
     temporary = directory / f".{METADATA_FILE}.new"
     temporary.write_text(yaml_text(metadata, "the checkpoint metadata"))
     fsync(temporary)

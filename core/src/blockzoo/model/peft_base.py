@@ -9,30 +9,36 @@ from typing import Any
 
 import yaml
 
-from blockzoo.checkpoint import CHECKSUM_ALGORITHM, CheckpointError, file_checksum, weights_checksums
+from blockzoo.checkpoint import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_ALGORITHMS,
+    CheckpointError,
+    file_checksum,
+    weights_checksums,
+)
 from blockzoo.config import ConfigError, structure, to_dict
 from blockzoo.model.config import ModelConfig
 from blockzoo.model.native import NATIVE, checkpoint_directory, checkpoint_format
 from blockzoo.model.pretrained import load_pretrained_weights, pretrained_model_config
 
 
-def base_reference(source: str | Path) -> dict[str, Any]:
+def base_reference(source: str | Path, algorithm: str = CHECKSUM_ALGORITHM) -> dict[str, Any]:
     """What a PEFT checkpoint holding adapters only records of the checkpoint its frozen weights come from (its
     metadata's `base`): `path` as given, `format`, `model` (its model config, plain data) and `checksums` of its weight
-    files (a native checkpoint's recorded ones; another format's `*.safetensors`, hashed here)."""
+    files by `algorithm` (a native checkpoint's recorded ones; another format's `*.safetensors`, hashed here)."""
     path = Path(source)
     found_format = checkpoint_format(path)
     if found_format is NATIVE:
         directory = checkpoint_directory(path)
         prefix = "" if directory == path else f"{directory.relative_to(path)}/"  # a run directory: its latest
-        files = {prefix + name: digest for name, digest in weights_checksums(directory).items()}
+        files = {prefix + name: digest for name, digest in weights_checksums(directory, algorithm).items()}
     else:
-        files = {file.name: file_checksum(file) for file in sorted(path.glob("*.safetensors"))}
+        files = {file.name: file_checksum(file, algorithm=algorithm) for file in sorted(path.glob("*.safetensors"))}
     return {
         "path": str(source),
         "format": found_format.name,
         "model": yaml.safe_load(yaml.safe_dump(pretrained_model_config(path))),  # as the metadata will hold it
-        "checksums": {"algorithm": CHECKSUM_ALGORITHM, "files": files},
+        "checksums": {"algorithm": algorithm, "files": files},
     }
 
 
@@ -45,7 +51,10 @@ def check_base(checkpoint: str | Path, base: Mapping[str, Any]) -> None:
         raise CheckpointError(
             path, f"{what} does not exist (a relative path is taken from the working directory): put it back there"
         )
-    found = base_reference(path)
+    algorithm = (base.get("checksums") or {}).get("algorithm", CHECKSUM_ALGORITHM)
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise CheckpointError(checkpoint, f"records its base's checksums by an unknown algorithm {algorithm!r}")
+    found = base_reference(path, algorithm)
     differences = (
         [] if found["format"] == base.get("format") else [f"format was {base.get('format')}, is {found['format']}"]
     )
