@@ -3,8 +3,8 @@ own config classes and helpers, our initial weights copied in; its compile, acti
 conversion applied the way its `parallelize_llama` and `Float8LinearConverter` apply them.
 
 Written against torchtitan 0.3.0 and torchao 0.18.0 (benchmarks/make_wheels.sh brings both to the GPU machine); runs on
-torch 2.11 (the GPU machine's) and later, see `_placeholder_for_parallelization`. Every torchtitan import is inside a
-function: without it the peer is absent, nothing else.
+torch 2.11 (the GPU machine's) and later, see `_placeholder_for_parallelization` and `_block_masks_of_an_older_torch`.
+Every torchtitan import is inside a function: without it the peer is absent, nothing else.
 """
 
 from __future__ import annotations
@@ -45,12 +45,36 @@ def _placeholder_for_parallelization() -> None:
     sys.modules[PARALLELIZATION_MODULE] = placeholder
 
 
+def _block_masks_of_an_older_torch() -> None:
+    """torchtitan 0.3.0 asks FlexAttention's `create_block_mask` to `separate_full_blocks` (a parameter of torch >=
+    2.12) unless it runs batch-invariant. torch 2.11's `create_block_mask` has no such parameter and always separates
+    the fully unmasked blocks, so there the argument is dropped when true (what the peer asks) and refused when
+    false; the masks are the same. With a torch that has the parameter, nothing is replaced."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torchtitan.models.common.attention as attention
+
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return
+    compiled = torch.compile(create_block_mask)
+
+    def create_block_mask_separating_full_blocks(*args, separate_full_blocks: bool = True, **kwargs):
+        if not separate_full_blocks:
+            raise RuntimeError(f"torch {torch.__version__} always separates full blocks in FlexAttention's masks")
+        return compiled(*args, **kwargs)
+
+    attention._compiled_create_block_mask = create_block_mask_separating_full_blocks
+
+
 def _import_torchtitan():
     try:
         _placeholder_for_parallelization()
         import torchtitan.models.llama3 as llama3
     except ImportError as error:
         raise Absent(f"torchtitan does not import: {error} (benchmarks/make_wheels.sh lists what it needs)") from None
+    _block_masks_of_an_older_torch()
     return llama3
 
 

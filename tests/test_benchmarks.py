@@ -373,6 +373,23 @@ def test_torchtitan_weight_map_gives_transformers_logits():
         torch.testing.assert_close(peer.llama_logits(theirs, tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_torchtitan_flex_masks_are_causal_within_each_row():
+    """The block masks torchtitan's decoder makes for its FlexAttention (through `_block_masks_of_an_older_torch` on
+    a torch without `separate_full_blocks`) are torch's own causal masks of each row, full blocks separated."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    peer = titan_peer()
+    shape, length = shapes.LLAMA_TINY, 512
+    with torch.device("meta"):
+        model = peer.llama_config(shape, length, attention="flex").build()
+    positions = torch.arange(length).expand(2, length)
+    theirs = model.get_attention_masks(positions)
+    expected = create_block_mask(lambda b, h, q, kv: kv <= q, 2, None, length, length, device="cpu")
+    assert torch.equal(theirs.to_dense(), expected.to_dense())
+    assert torch.equal(theirs.full_kv_num_blocks, expected.full_kv_num_blocks)
+    assert int(theirs.full_kv_num_blocks.sum()) > 0
+
+
 def test_torchtitan_float8_converts_the_linears_torchao_can_take():
     """torchtitan's converter with torchao's tensorwise recipe swaps every linear (dims divisible by 16) for
     torchao's Float8Linear; its emulated step-0 loss stays near the bf16 one."""
