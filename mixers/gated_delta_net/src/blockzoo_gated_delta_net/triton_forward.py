@@ -91,6 +91,53 @@ def _inverse_pointers(pointer, chunk, heads, head, CHUNK: tl.constexpr):
     return pointer + base + rows[:, None] * CHUNK + rows[None, :]
 
 
+# The rows of the diagonal blocks that `_invert_in_place` inverts by substitution (tl.dot's smallest tile).
+SUBSTITUTION_BLOCK = tl.constexpr(16)
+
+
+@triton.jit
+def _block_pointers(pointer, row_block, column_block, CHUNK: tl.constexpr):
+    """Pointers of the [SUBSTITUTION_BLOCK, SUBSTITUTION_BLOCK] block (row_block, column_block) of a row-major
+    [CHUNK, CHUNK] matrix."""
+    SUB: tl.constexpr = SUBSTITUTION_BLOCK
+    rows = tl.arange(0, SUB)
+    return pointer + (row_block * SUB + rows[:, None]) * CHUNK + column_block * SUB + rows[None, :]
+
+
+@triton.jit
+def _invert_in_place(pointer, CHUNK: tl.constexpr):
+    """T = (I + A)⁻¹ written over the strictly lower A at `pointer` ([CHUNK, CHUNK], row-major), exactly as forward
+    substitution makes it (no matrix powers that lose precision) but in blocks of 16 rows: first every diagonal block
+    at once, row by row, T_ii[r] = e_r − Σ_{s<r} A_ii[r, s] T_ii[s]; then the blocks below the diagonal, block row by
+    block row, T_ij = −T_ii Σ_{j<=m<i} A_im T_mj (products in full fp32). A row of blocks is written left to right
+    over A's, which only the blocks to its right still read. The caller has stored A and passed a barrier."""
+    SUB: tl.constexpr = SUBSTITUTION_BLOCK
+    BLOCKS: tl.constexpr = CHUNK // SUB
+    block = tl.arange(0, BLOCKS)[:, None, None]
+    rows = tl.arange(0, SUB)[None, :, None]
+    columns = tl.arange(0, SUB)[None, None, :]
+    diagonal = pointer + (block * SUB + rows) * CHUNK + block * SUB + columns
+    lower = tl.load(diagonal)
+    inverse = tl.zeros([BLOCKS, SUB, SUB], dtype=tl.float32)
+    for r in range(SUB):
+        a_row = tl.sum(tl.where(rows == r, lower, 0.0), 1)  # [BLOCKS, SUB]: row r of each diagonal block
+        new_row = tl.where(columns == r, 1.0, 0.0) - tl.sum(a_row[:, :, None] * inverse, 1)[:, None, :]
+        inverse = tl.where(rows == r, new_row, inverse)
+    tl.store(diagonal, inverse)
+    tl.debug_barrier()
+    for i in tl.static_range(1, BLOCKS):
+        diagonal_inverse = tl.load(_block_pointers(pointer, i, i, CHUNK))
+        for j in tl.static_range(0, i):
+            total = tl.zeros([SUB, SUB], dtype=tl.float32)
+            for m in tl.static_range(j, i):
+                a = tl.load(_block_pointers(pointer, i, m, CHUNK))
+                t = tl.load(_block_pointers(pointer, m, j, CHUNK))
+                total += tl.dot(a, t, input_precision="ieee")
+            tl.debug_barrier()
+            tl.store(_block_pointers(pointer, i, j, CHUNK), -tl.dot(diagonal_inverse, total, input_precision="ieee"))
+            tl.debug_barrier()
+
+
 @triton.jit
 def prepare_chunks(
     k_pointer,
@@ -121,14 +168,12 @@ def prepare_chunks(
     _store_head_values(log_decay_pointer, b, tokens, valid, heads, head)
 
     lower = beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK)
-    # T = (I + A)⁻¹ row by row: T[i] = e_i − Σ_{j<i} A[i, j] T[j] (the rows j < i are final when row i is made).
-    rows = tl.arange(0, CHUNK)
-    inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    for i in range(CHUNK):
-        a_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)
-        new_row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(rows[:, None] == i, new_row[None, :], inverse)
-    tl.store(_inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK), inverse)
+    # T = (I + A)⁻¹ is made in its place in memory, where the backward reads it.
+    inverse_pointers = _inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK)
+    tl.store(inverse_pointers, lower)
+    tl.debug_barrier()
+    _invert_in_place(inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK, CHUNK)
+    inverse = tl.load(inverse_pointers)
 
     w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
     _store_rows(w_pointer, w, tokens, valid, heads, head, key_size, BLOCK_K, 0)
