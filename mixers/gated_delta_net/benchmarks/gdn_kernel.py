@@ -5,6 +5,10 @@ states and every input's gradient). Run on a GPU:
 
     python mixers/gated_delta_net/benchmarks/gdn_kernel.py [--documents 4 --length 4096 --heads 16 --key-heads 16 ...]
 
+`--launches state=4x1,chunk=4x3,value_block=16 ...` times our forward and forward+backward again under other launch
+options (KERNEL=WARPSxSTAGES for the kernels' groups prepare, chunk, state and gradient; value_block: the value
+channels of a program); `--profile` prints where each contender's forward+backward spends its GPU time, by kernel.
+
 fla's forward+backward is timed with its Hopper refusal lifted (`gdn_layer.fla_check_lifted`: a figure of its speed
 only; its issue #640 says its gradients are wrong there).
 """
@@ -12,10 +16,12 @@ only; its issue #640 says its gradients are wrong there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from blockzoo.layers.base import Batch
 from blockzoo_gated_delta_net.delta_rule import chunked_gated_delta_rule, fla_available, fla_backward_refused
@@ -67,6 +73,62 @@ def torch_path(q, k, v, g, beta, initial, cu_seqlens, dtype=torch.float32):
     return output.to(v.dtype), final
 
 
+# --launches' kernel groups: the option dictionaries of `triton_delta_rule` they set.
+LAUNCH_GROUPS = {
+    "prepare": "PREPARE_OPTIONS",
+    "chunk": "CHUNK_OPTIONS",
+    "state": "STATE_PASS_OPTIONS",
+    "gradient": "CHUNK_GRADIENT_OPTIONS",
+}
+
+
+def launch_settings(text: str) -> dict:
+    """{attribute of triton_delta_rule: value} of one --launches word."""
+    settings = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        try:
+            if key == "value_block":
+                settings["VALUE_BLOCK"] = int(value)
+            elif key in LAUNCH_GROUPS:
+                warps, _, stages = value.partition("x")
+                settings[LAUNCH_GROUPS[key]] = {"num_warps": int(warps), "num_stages": int(stages)}
+            else:
+                raise ValueError(f"no kernel group {key!r} (groups: {', '.join(LAUNCH_GROUPS)}, value_block)")
+        except ValueError as error:
+            raise SystemExit(f"--launches {text}: {error}; the form is GROUP=WARPSxSTAGES,value_block=N") from None
+    return settings
+
+
+@contextlib.contextmanager
+def launches(settings: dict):
+    """Our kernels launched with `settings` (launch_settings) inside the block."""
+    import blockzoo_gated_delta_net.triton_delta_rule as module
+
+    saved = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def print_profile(name: str, step, calls: int = 3) -> None:
+    """The GPU time of `calls` calls of `step` by kernel, most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=70)
+    print(f"profile {name} ({calls} forward+backward calls):\n{table}", flush=True)
+
+
 def gradients(function, leaves, cu_seqlens, weights):
     for leaf in leaves:
         leaf.grad = None
@@ -86,7 +148,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-torch", action="store_true", help="skip the torch path's timing")
+    parser.add_argument("--launches", nargs="*", default=[], help="other launch options of ours to time")
+    parser.add_argument("--profile", action="store_true", help="print each contender's GPU time by kernel")
     arguments = parser.parse_args()
+    other_launches = {f"ours, launches {text}": launch_settings(text) for text in arguments.launches}
     device = torch.device("cuda")
     shape = (arguments.documents, arguments.length, arguments.key_heads, arguments.heads)
     sizes = (arguments.key_size, arguments.value_size)
@@ -123,21 +188,29 @@ def main() -> None:
 
     if not arguments.no_torch:
         contenders["torch"] = torch_path
-    for name, function in contenders.items():
+    timed = [(name, function, {}) for name, function in contenders.items()]
+    timed += [(name, ours, settings) for name, settings in other_launches.items()]
+    for name, function, settings in timed:
         leaves = [x.clone().requires_grad_() for x in rounded]
-        with torch.no_grad():
-            forward, _ = measure(
-                lambda function=function, leaves=leaves: function(*leaves, cu_seqlens),
-                arguments.steps,
-                arguments.warmup,
-            )
 
         def step(function=function, leaves=leaves):
             output, final = function(*leaves, cu_seqlens)
             (output.float().sum() + final.sum()).backward()
 
-        with fla_check_lifted(name == "fla" and fla_backward_refused()):
-            both, memory = measure(step, arguments.steps, arguments.warmup)
+        try:
+            with launches(settings), fla_check_lifted(name == "fla" and fla_backward_refused()):
+                with torch.no_grad():
+                    forward, _ = measure(
+                        lambda function=function, leaves=leaves: function(*leaves, cu_seqlens),
+                        arguments.steps,
+                        arguments.warmup,
+                    )
+                both, memory = measure(step, arguments.steps, arguments.warmup)
+                if arguments.profile and name in contenders:
+                    print_profile(name, step)
+        except (OutOfResources, RuntimeError) as error:  # a launch that does not fit this GPU: say so, time the others
+            print(f"time {name}: failed, {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
         print(
             f"time {name}: forward {forward * 1e3:.2f} ms, forward+backward {both * 1e3:.2f} ms, "
             f"peak {memory / 2**30:.2f} GiB",

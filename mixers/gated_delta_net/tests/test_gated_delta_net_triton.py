@@ -181,12 +181,18 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
     never checks it; on the GPU a kernel past it fails to launch)."""
     pytest.importorskip("triton")
     from blockzoo_gated_delta_net import triton_delta_rule as launches
-    from blockzoo_gated_delta_net.triton_backward import chunk_gradients, pass_state_gradients
-    from blockzoo_gated_delta_net.triton_forward import pass_states, prepare_chunks
+    from blockzoo_gated_delta_net.triton_backward import (
+        chunk_gradients,
+        chunk_new_value_gradients,
+        pass_state_gradients,
+    )
+    from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
 
     kernels = {
         "prepare_chunks": (prepare_chunks, launches.PREPARE_OPTIONS),
         "pass_states": (pass_states, launches.STATE_PASS_OPTIONS),
+        "chunk_outputs": (chunk_outputs, launches.CHUNK_OPTIONS),
+        "chunk_new_value_gradients": (chunk_new_value_gradients, launches.CHUNK_OPTIONS),
         "pass_state_gradients": (pass_state_gradients, launches.STATE_PASS_OPTIONS),
         "chunk_gradients": (chunk_gradients, launches.CHUNK_GRADIENT_OPTIONS),
     }

@@ -3,6 +3,8 @@
 Per chunk, with S its starting state, S' the next, u = U − W S, O = (e^b Q) S + P u with P = (Q Kᵀ) ⊙ Γ and
 S' = e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u, the gradients dO and dS' give:
 
+- `chunk_new_value_gradients` (one program per chunk and value head, all chunks at once): the part of du that
+  needs no later chunk, Pᵀ dO.
 - `pass_state_gradients` (one program per document, value head and block of value channels; sequential, last chunk
   first, from the gradient of the final state): du = Pᵀ dO + (K ⊙ e^{b_C − b}) dS' and
   dS = (e^b Q)ᵀ dO + e^{b_C} dS' − Wᵀ du; it keeps each chunk's dS' and du, and writes the initial state's gradient.
@@ -17,6 +19,7 @@ import triton.language as tl
 
 from blockzoo_gated_delta_net.triton_forward import (
     _chunk_rows,
+    _chunk_scores,
     _decay_ratio,
     _document_chunks,
     _inverse_pointers,
@@ -33,6 +36,35 @@ from blockzoo_gated_delta_net.triton_forward import (
 
 
 @triton.jit
+def chunk_new_value_gradients(
+    q_pointer,
+    k_pointer,
+    log_decay_pointer,
+    output_gradient_pointer,
+    chunk_start_pointer,
+    chunk_end_pointer,
+    new_value_gradients_pointer,  # out: Pᵀ dO [tokens, heads, value_size] fp32, completed by the state pass
+    heads,
+    key_heads,
+    key_size,
+    value_size,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    tokens, valid, _, _, scores = _chunk_scores(
+        q_pointer, k_pointer, log_decay_pointer, chunk_start_pointer, chunk_end_pointer, chunk, heads, key_heads,
+        head, key_size, GROUP, CHUNK, BLOCK_K,
+    )  # fmt: skip
+    for offset in range(0, value_size, BLOCK_V):
+        output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        within = tl.dot(tl.trans(scores), output_gradient)
+        _store_rows(new_value_gradients_pointer, within, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+
+
+@triton.jit
 def pass_state_gradients(
     q_pointer,
     k_pointer,
@@ -43,7 +75,7 @@ def pass_state_gradients(
     cu_seqlens_pointer,
     chunk_offsets_pointer,
     state_gradients_pointer,  # out: dS' of each chunk [chunks, heads, key_size, value_size] fp32
-    new_value_gradients_pointer,  # out: du [tokens, heads, value_size] fp32
+    new_value_gradients_pointer,  # in: Pᵀ dO, out: du [tokens, heads, value_size] fp32
     initial_gradient_pointer,  # out: [documents, heads, key_size, value_size] fp32
     heads,
     key_heads,
@@ -67,12 +99,14 @@ def pass_state_gradients(
         _store_state(
             state_gradients_pointer, gradient, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
         )
-        tokens, valid, q, k, w, b, b_last, to_end, scores = _read_chunk(
-            q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads,
-            head, key_size, GROUP, CHUNK, BLOCK_K,
+        tokens, valid, k, w, b, b_last, to_end = _read_chunk(
+            k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads, head,
+            key_size, GROUP, CHUNK, BLOCK_K,
         )  # fmt: skip
+        q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
         output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        new_value_gradient = tl.dot(tl.trans(scores), output_gradient) + tl.dot(k * to_end[:, None], gradient)
+        within = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        new_value_gradient = within + tl.dot(k * to_end[:, None], gradient)
         _store_rows(
             new_value_gradients_pointer, new_value_gradient, tokens, valid, heads, head, value_size, BLOCK_V, offset
         )

@@ -15,8 +15,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from blockzoo_gated_delta_net.triton_backward import chunk_gradients, pass_state_gradients
-from blockzoo_gated_delta_net.triton_forward import pass_states, prepare_chunks
+from blockzoo_gated_delta_net.triton_backward import (
+    chunk_gradients,
+    chunk_new_value_gradients,
+    pass_state_gradients,
+)
+from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
 
 CHUNK_SIZE = 64
 # Head sizes the kernels take: a block of key channels holds a whole key head (tl.dot wants >= 16 of them). Above
@@ -26,16 +30,19 @@ MIN_HEAD_SIZE = 16
 # Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
 # kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size]
 # and [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers, and the backward's one cannot keep a
-# second stage of its loads in flight; the state passes take blocks of 32 value channels (more programs, fewer
-# registers each) and overlap two chunks' loads.
+# second stage of its loads in flight; the state passes take blocks of VALUE_BLOCK value channels (more programs,
+# fewer registers each) and overlap two chunks' loads. The kernel benchmark (benchmarks/gdn_kernel.py --launches)
+# times other choices.
 PREPARE_OPTIONS = {"num_warps": 8}
+CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
 STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
 CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 1}
+VALUE_BLOCK = 32
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
     block_k = max(MIN_HEAD_SIZE, triton.next_power_of_2(key_size))
-    block_v = max(MIN_HEAD_SIZE, min(32, triton.next_power_of_2(value_size)))
+    block_v = max(MIN_HEAD_SIZE, min(VALUE_BLOCK, triton.next_power_of_2(value_size)))
     return block_k, block_v
 
 
@@ -92,7 +99,6 @@ class TritonGatedDeltaRule(torch.autograd.Function):
                 k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
             )
 
-        output = torch.empty_like(v)
         final = torch.empty(documents, heads, key_size, value_size, **fp32)
         states = torch.empty(chunks, heads, key_size, value_size, **fp32)
         new_values = torch.empty(tokens, heads, value_size, **fp32)
@@ -102,10 +108,14 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         grid = (documents, heads, triton.cdiv(value_size, block_v))
         if documents:
             pass_states[grid](
-                q, k, w, u, log_decay, initial_tensor, cu_seqlens, chunk_offsets,
-                output, final, states, new_values,
+                k, w, u, log_decay, initial_tensor, cu_seqlens, chunk_offsets, final, states, new_values,
                 **sizes, HAS_INITIAL=has_initial, **blocks, **STATE_PASS_OPTIONS,
             )  # fmt: skip
+        output = torch.empty_like(v)
+        if chunks:
+            chunk_outputs[(chunks, heads)](
+                q, k, log_decay, states, new_values, starts, ends, output, **sizes, **blocks, **CHUNK_OPTIONS
+            )
         ctx.save_for_backward(
             q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets
         )
@@ -127,6 +137,11 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         state_gradients = torch.empty_like(states)
         new_value_gradients = torch.empty(tokens, heads, value_size, **fp32)
         initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
+        if chunks:
+            chunk_new_value_gradients[(chunks, heads)](
+                q, k, log_decay, output_gradient, starts, ends, new_value_gradients, **sizes, **blocks,
+                **CHUNK_OPTIONS,
+            )  # fmt: skip
         grid = (documents, heads, triton.cdiv(value_size, blocks["BLOCK_V"]))
         if documents:
             pass_state_gradients[grid](

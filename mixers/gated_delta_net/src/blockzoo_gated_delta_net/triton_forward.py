@@ -1,15 +1,16 @@
 """The chunked gated delta rule's forward pass as Triton kernels (the WY / UT form of `delta_rule`'s docstring).
 
-Two kernels, over packed documents cut into chunks of CHUNK tokens (a document's last chunk may be shorter; its
+Three kernels, over packed documents cut into chunks of CHUNK tokens (a document's last chunk may be shorter; its
 missing rows read k = v = β = 0 and g = 0, so they change nothing):
 
 - `prepare_chunks` (one program per chunk and value head, all chunks at once): the within-chunk log decays
   b = cumsum(g), the strictly lower A[t, s] = β_t (k_t·k_s) e^{b_t − b_s}, its inverse T = (I + A)⁻¹ by forward
-  substitution (row by row: exact for the unit lower-triangular system, no matrix powers that lose precision), and
-  the WY factors W = T (β e^b K), U = T (β V).
-- `pass_states` (one program per document, value head and block of value channels; the only sequential part): from
-  the document's initial state S, chunk after chunk, u = U − W S, O = (e^b Q) S + ((Q Kᵀ) ⊙ Γ) u and
-  S ← e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u. It keeps each chunk's starting state and u for the backward pass.
+  substitution (exact for the unit lower-triangular system, no matrix powers that lose precision; in blocks of 16
+  rows, `_invert_in_place`), and the WY factors W = T (β e^b K), U = T (β V).
+- `pass_states` (one program per document, value head and block of value channels; the only sequential part, kept
+  to the least that depends on the previous chunk): from the document's initial state S, chunk after chunk,
+  u = U − W S and S ← e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u. It keeps each chunk's starting state and u.
+- `chunk_outputs` (one program per chunk and value head, all chunks at once): O = (e^b Q) S + ((Q Kᵀ) ⊙ Γ) u.
 
 Everything is accumulated in fp32 whatever the inputs' dtype (bf16 inputs are read as they are, converted in
 registers). Value head h reads key head h // GROUP (grouped heads). Imports triton: import it only where Triton runs.
@@ -230,26 +231,23 @@ def _document_chunks(cu_seqlens_pointer, chunk_offsets_pointer, document):
 
 @triton.jit
 def _read_chunk(
-    q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, index, heads, key_heads, head, key_size,
+    k_pointer, w_pointer, log_decay_pointer, begin, end, index, heads, key_heads, head, key_size,
     GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """What both state passes read of a document's chunk `index` (counted from its first): its tokens, which lie in
-    the document and how many; q, k, W and b; e^{b_C − b} (zero outside); the scores P = (Q Kᵀ) ⊙ Γ; b_C."""
+    the document; k, W and b; e^{b_C − b} (zero outside); b_C."""
     tokens = begin + index * CHUNK + tl.arange(0, CHUNK)
     valid = tokens < end
     count = tl.minimum(end - begin - index * CHUNK, CHUNK)
-    q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     w = _load_rows(w_pointer, tokens, valid, heads, head, key_size, BLOCK_K, 0)
     b, b_last = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
     to_end = tl.where(valid, tl.exp(b_last - b), 0.0)
-    scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
-    return tokens, valid, q, k, w, b, b_last, to_end, scores
+    return tokens, valid, k, w, b, b_last, to_end
 
 
 @triton.jit
 def pass_states(
-    q_pointer,
     k_pointer,
     w_pointer,
     u_pointer,
@@ -257,7 +255,6 @@ def pass_states(
     initial_pointer,
     cu_seqlens_pointer,
     chunk_offsets_pointer,
-    output_pointer,  # out: O [tokens, heads, value_size] (the output's dtype)
     final_pointer,  # out: [documents, heads, key_size, value_size] fp32
     states_pointer,  # out: each chunk's starting state [chunks, heads, key_size, value_size] fp32
     new_values_pointer,  # out: u [tokens, heads, value_size] fp32
@@ -279,24 +276,64 @@ def pass_states(
     )
     for chunk in range(first_chunk, last_chunk):
         _store_state(states_pointer, state, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
-        tokens, valid, q, k, w, b, b_last, to_end, scores = _read_chunk(
-            q_pointer, k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads,
-            head, key_size, GROUP, CHUNK, BLOCK_K,
+        tokens, valid, k, w, _, b_last, to_end = _read_chunk(
+            k_pointer, w_pointer, log_decay_pointer, begin, end, chunk - first_chunk, heads, key_heads, head,
+            key_size, GROUP, CHUNK, BLOCK_K,
         )  # fmt: skip
         u = _load_rows(u_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         u = u - tl.dot(w, state)
         _store_rows(new_values_pointer, u, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        output = tl.dot(q * tl.exp(b)[:, None], state) + tl.dot(scores, u)
-        _store_rows(
-            output_pointer,
-            output.to(output_pointer.dtype.element_ty),
-            tokens,
-            valid,
-            heads,
-            head,
-            value_size,
-            BLOCK_V,
-            offset,
-        )
         state = tl.exp(b_last) * state + tl.dot(tl.trans(k * to_end[:, None]), u)
     _store_state(final_pointer, state, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+
+
+@triton.jit
+def _chunk_scores(
+    q_pointer, k_pointer, log_decay_pointer, chunk_start_pointer, chunk_end_pointer, chunk, heads, key_heads, head,
+    key_size, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A chunk's tokens, which lie in its document and how many; e^b Q; the scores P = (Q Kᵀ) ⊙ Γ."""
+    tokens, valid, count = _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK)
+    q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+    k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
+    b, _ = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
+    scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
+    return tokens, valid, count, q * tl.exp(b)[:, None], scores
+
+
+@triton.jit
+def chunk_outputs(
+    q_pointer,
+    k_pointer,
+    log_decay_pointer,
+    states_pointer,
+    new_values_pointer,
+    chunk_start_pointer,
+    chunk_end_pointer,
+    output_pointer,  # out: O [tokens, heads, value_size] (the output's dtype)
+    heads,
+    key_heads,
+    key_size,
+    value_size,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    tokens, valid, count, decayed_q, scores = _chunk_scores(
+        q_pointer, k_pointer, log_decay_pointer, chunk_start_pointer, chunk_end_pointer, chunk, heads, key_heads,
+        head, key_size, GROUP, CHUNK, BLOCK_K,
+    )  # fmt: skip
+    for offset in range(0, value_size, BLOCK_V):
+        pointers, mask = _state_pointers(
+            states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+        )
+        # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
+        state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        output = tl.dot(decayed_q, state) + tl.dot(scores, u)
+        _store_rows(
+            output_pointer, output.to(output_pointer.dtype.element_ty), tokens, valid, heads, head, value_size,
+            BLOCK_V, offset,
+        )  # fmt: skip
