@@ -10,7 +10,7 @@
 #    liger-kernel, flash-linear-attention, torchtitan and torchao with their light imports) into /tmp/site with `pip --no-index --no-deps --target`, and the project's
 #    distributions editable with `--no-deps --no-build-isolation` (skipped when a previous call on this machine
 #    installed the same wheels and pyproject files);
-# 2. runs each named suite (llama, mamba2, moe, kernels, trainer; ARGUMENTS after a colon go to its command line)
+# 2. runs each named suite (llama, mamba2, moe, kernels, trainer, hybrid; ARGUMENTS after a colon go to its command line)
 #    under `timeout`, writing $OUT/<suite>.log and $OUT/<suite>.jsonl as results come;
 # 3. then, when GPU_TESTS names test paths, `pytest -m gpu $GPU_TESTS` under its own timeout ($OUT/gpu-tests.log).
 # 4. leaves $OUT/autotuning.tar.gz (Triton's autotuning results); copied to the project root as .autotuning.tar.gz
@@ -28,7 +28,7 @@ BUDGET=${BUDGET:-570}
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-300}
 GPU_TESTS=${GPU_TESTS:-}
 GPU_TESTS_TIMEOUT=${GPU_TESTS_TIMEOUT:-240}
-SUITES=(llama mamba2 moe kernels trainer)
+SUITES=(llama mamba2 moe kernels trainer hybrid)
 mkdir -p "$OUT"
 
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -52,9 +52,8 @@ def _block_masks_of_an_older_torch() -> None:
     false; the masks are the same. With a torch that has the parameter, nothing is replaced."""
     import inspect
 
-    from torch.nn.attention.flex_attention import create_block_mask
-
     import torchtitan.models.common.attention as attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
         return

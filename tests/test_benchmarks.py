@@ -62,6 +62,36 @@ def test_llama_weight_map_gives_transformers_logits_and_loss():
     assert ours.reference_loss(model, tokens, rows_per_call=2) == pytest.approx(float(output.loss), rel=1e-5)
 
 
+def test_hybrid_1b_has_transformers_parameter_count_and_qwen3_nexts_pattern():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from benchmarks import hybrid
+
+    with torch.device("meta"):
+        theirs = Qwen3NextForCausalLM(Qwen3NextConfig(**hybrid.config_json(hybrid.HYBRID_1B)))
+    model = shapes.our_model(hybrid.our_model(hybrid.HYBRID_1B))
+    assert shapes.parameter_count(model) == shapes.parameter_count(theirs)
+    assert 1.1e9 < shapes.parameter_count(model) < 1.3e9
+    mixers = [type(block.mixer).__name__ for block in model.decoder]
+    assert mixers == (["GatedDeltaNet"] * 3 + ["Attention"]) * 4, mixers
+
+
+def test_hybrid_export_gives_transformers_our_loss(tmp_path):
+    """Our initial weights saved in the qwen3_next format and loaded by transformers' Qwen3NextForCausalLM give our
+    step-0 loss in fp32: what the hybrid suite's loss check relies on."""
+    from transformers import Qwen3NextForCausalLM
+
+    import blockzoo
+    from benchmarks import hybrid
+
+    model, _ = ours.build(ours.run_config(hybrid.our_model(hybrid.HYBRID_TINY), FP32, rows=1, length=16))
+    theirs = Qwen3NextForCausalLM.from_pretrained(blockzoo.save(model, tmp_path / "hf", format="qwen3_next"))
+    tokens = ours.random_tokens(3, 40, hybrid.HYBRID_TINY["vocab_size"], torch.device("cpu"))
+    with torch.no_grad():
+        loss = float(theirs(input_ids=tokens, labels=tokens).loss)
+    assert ours.reference_loss(model, tokens, rows_per_call=2) == pytest.approx(loss, rel=1e-5)
+
+
 def test_llama_weight_map_refuses_unknown_parameters():
     model = shapes.our_model(shapes.llama_model(shapes.LLAMA_TINY))
     weights = {**dict(model.named_parameters()), "decoder.0.mixer.extra.weight": torch.zeros(1)}
@@ -454,6 +484,15 @@ def statuses(records: list[dict]) -> dict[tuple[str, str], str]:
     return {
         (record["case"], record["contender"]): record["status"] for record in records if record["record"] == "result"
     }
+
+
+def test_hybrid_suite_runs_ours_and_transformers_with_equal_losses(tmp_path):
+    records = run_suite(tmp_path, "hybrid", "--ours", "compile=none")
+    assert statuses(records) == {
+        ("4x4096", "ours (compile=none)"): "ok",
+        ("4x4096", "transformers Qwen3NextForCausalLM"): "ok",
+    }
+    assert all(record["extra"]["loss0 ok"] for record in records if record["record"] == "result")
 
 
 @pytest.mark.slow
