@@ -6,15 +6,17 @@ Cases: `mixtral` (8192 tokens, hidden 4096, ffn 14336, 8 experts top-2) against 
 and `qwen3-32768` (128 experts top-8, hidden 2048, expert ffn 768, Qwen3-30B-A3B's layer) against
 `Qwen3MoeSparseMoeBlock`. Ours: blockzoo-moe with fp32 master weights cast to bf16 in the layer, bf16 activations, and
 the same layer with bf16 weights (what a bf16 block holds: the fp32-master figure pays the casts the bf16-weight peers
-do not). At the Qwen3 shapes also torchtitan 0.3.0's MoE (its `MoE` as its Qwen3 MoE models configure it: softmax
-router, top k renormalized, grouped GEMMs through `torch._grouped_mm` in bf16) with fp32 and with bf16 weights, our
-weights copied in (its router runs in the weights' dtype). Each transformers block runs in every experts implementation
-transformers offers here (`grouped_mm`, `batched_mm`, `eager`; the one a model of the family gets by default is named in
-the case's notes), with fp32 weights under bf16 autocast (as in training) and with bf16 weights; and with liger-kernel's
-experts (`LigerExperts`, its fused Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` /
-`apply_liger_kernel_to_qwen3_moe` with their defaults, undone after). Our weights are copied into each block and its
-output compared to ours (relative L2 difference: the routers' top-k may differ on near ties, ours routes in fp32);
-parameter counts asserted equal. TFLOP/s on the active experts (`shapes.moe_layer_flops`).
+do not), on CUDA also with its small pieces compiled (`BLOCKZOO_MOE_COMPILE=1`: the gathers with their sums and the
+gated activation, each one fused kernel, as under `training.compile`). At the Qwen3 shapes also torchtitan 0.3.0's MoE
+(its `MoE` as its Qwen3 MoE models configure it: softmax router, top k renormalized, grouped GEMMs through
+`torch._grouped_mm` in bf16) with fp32 and with bf16 weights, our weights copied in (its router runs in the weights'
+dtype). Each transformers block runs in every experts implementation transformers offers here (`grouped_mm`,
+`batched_mm`, `eager`; the one a model of the family gets by default is named in the case's notes), with fp32 weights
+under bf16 autocast (as in training) and with bf16 weights; and with liger-kernel's experts (`LigerExperts`, its fused
+Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` / `apply_liger_kernel_to_qwen3_moe` with their
+defaults, undone after). Our weights are copied into each block and its output compared to ours (relative L2 difference:
+the routers' top-k may differ on near ties, ours routes in fp32); parameter counts asserted equal. TFLOP/s on the active
+experts (`shapes.moe_layer_flops`).
 Target (issue 11): ours ≥ 1.3× the fastest peer at each shape.
 """
 
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):  # `python benchmarks/moe.py`: see llama.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -108,6 +112,13 @@ class Suite:
                 lambda: self.ours(shape, hidden, output_grad, bf16_weights=True),
                 ours=True,
             )
+        if self.device.type == "cuda":
+            self.runner.run(
+                case,
+                "ours (blockzoo moe), bf16 weights, compiled pieces",
+                lambda: self.ours(shape, hidden, output_grad, bf16_weights=True, compiled_pieces=True),
+                ours=True,
+            )
         if shape.family == "qwen3_moe":
             for precision in ("fp32 weights", "bf16 weights"):
                 self.runner.run(
@@ -131,9 +142,16 @@ class Suite:
         self.runner.finish(case)
 
     def ours(
-        self, shape: shapes.MoEShape, hidden: torch.Tensor, output_grad: torch.Tensor, *, bf16_weights: bool = False
+        self,
+        shape: shapes.MoEShape,
+        hidden: torch.Tensor,
+        output_grad: torch.Tensor,
+        *,
+        bf16_weights: bool = False,
+        compiled_pieces: bool = False,
     ) -> harness.Timing:
         from blockzoo.layers.base import Batch
+        from blockzoo_moe.moe import COMPILE_VARIABLE
 
         layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device=self.device.type)
         if bf16_weights:  # the same initial weights, held in bf16 (the layer's casts become no-ops)
@@ -152,7 +170,8 @@ class Suite:
             output.backward(output_grad)
             return output.detach()
 
-        timing = self.time(step)
+        with mock.patch.dict(os.environ, {COMPILE_VARIABLE: "1" if compiled_pieces else "0"}):
+            timing = self.time(step)
         if bf16_weights:
             timing.extra["output Δrel to ours"] = self.difference(timing.first_value)
         else:
