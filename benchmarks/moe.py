@@ -151,7 +151,7 @@ class Suite:
         compiled_pieces: bool = False,
     ) -> harness.Timing:
         from blockzoo.layers.base import Batch
-        from blockzoo_moe.moe import COMPILE_VARIABLE
+        from blockzoo_moe.dispatch import COMPILE_VARIABLE
 
         layer = shapes.our_layer(shapes.moe_layer(shape), kind="mlp", hidden=shape.hidden, device=self.device.type)
         if bf16_weights:  # the same initial weights, held in bf16 (the layer's casts become no-ops)

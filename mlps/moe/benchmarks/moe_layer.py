@@ -24,7 +24,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch
 from blockzoo.layers.config import MLPConfig
 from blockzoo.layers.dims import TensorDim
-from blockzoo_moe.moe import COMPILE_VARIABLE, MoEMLP
+from blockzoo_moe.dispatch import COMPILE_VARIABLE
+from blockzoo_moe.moe import MoEMLP
 
 
 def time_step(step, steps: int, warmup: int, device: str) -> float:

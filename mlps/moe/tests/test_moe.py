@@ -17,9 +17,11 @@ from blockzoo.layers.base import Batch
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL, MLPConfig
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
+from blockzoo_moe import dispatch as pairs
 from blockzoo_moe import moe
 from blockzoo_moe.config import EXPERT_PARALLEL, MoEMLPConfig
-from blockzoo_moe.moe import ExpertOrder, MoEMLP
+from blockzoo_moe.dispatch import Combine, Dispatch, ExpertOrder
+from blockzoo_moe.moe import MoEMLP
 from blockzoo_testing import layer_inputs, reference_activation, single_process
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 8, 6, 5, 2
@@ -569,10 +571,10 @@ def test_dispatch_and_combine_equal_plain_indexing_and_their_gradients_check():
     scores = torch.rand(7, 3, generator=generator, dtype=torch.float64, requires_grad=True)
 
     def dispatch(hidden):
-        return moe._Dispatch.apply(hidden, order.tokens, order.inverse, 3)
+        return Dispatch.apply(hidden, order.tokens, order.inverse, 3)
 
     def combine(outputs, scores):
-        return moe._Combine.apply(outputs, scores, order.tokens, order.inverse)
+        return Combine.apply(outputs, scores, order.tokens, order.inverse)
 
     torch.testing.assert_close(dispatch(hidden), hidden[order.tokens])
     # Pair p = (t, j) went to sorted row inverse[p]: the token's sum over its choices, weighted by the scores.
@@ -583,11 +585,11 @@ def test_dispatch_and_combine_equal_plain_indexing_and_their_gradients_check():
 
 
 def test_the_compile_switch_only_applies_on_cuda(monkeypatch):
-    monkeypatch.setenv(moe.COMPILE_VARIABLE, "1")
-    assert moe._piece(moe._gather_sum, torch.zeros(2)) is moe._gather_sum
-    assert not moe._compiling(torch.zeros(2))
-    monkeypatch.setenv(moe.COMPILE_VARIABLE, "0")
-    assert not moe._compiling(torch.zeros(2, device="meta"))
+    monkeypatch.setenv(pairs.COMPILE_VARIABLE, "1")
+    assert pairs.compiled_piece(pairs._gather_sum, torch.zeros(2)) is pairs._gather_sum
+    assert not pairs._compiling(torch.zeros(2))
+    monkeypatch.setenv(pairs.COMPILE_VARIABLE, "0")
+    assert not pairs._compiling(torch.zeros(2, device="meta"))
 
 
 def _bf16_layer(experts=8, top_k=2, seed=3):
@@ -624,7 +626,7 @@ def test_the_compiled_pieces_equal_the_eager_ones(monkeypatch):
     model, hidden = _bf16_layer(experts=16, top_k=4)
     results = []
     for switch in ("0", "1"):
-        monkeypatch.setenv(moe.COMPILE_VARIABLE, switch)
+        monkeypatch.setenv(pairs.COMPILE_VARIABLE, switch)
         model.zero_grad()
         inputs = hidden.detach().requires_grad_()
         output = model(inputs, Batch([96], device="cuda"))

@@ -2,15 +2,9 @@
 
 Dropless computation: the (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous;
 each projection is then one matrix product per expert (CPU, fp32) or one grouped GEMM over all experts
-(`torch._grouped_mm`, CUDA bf16); the outputs are weighted by the routing scores and summed back per token.
-The permutation is computed once per forward (`ExpertOrder`) and reused by the backward. Both ways between the
-tokens and the sorted pairs are gathers: the dispatch's backward sums each token's k gradient rows, and the
-combine is a weighted sum over each token's k output rows, never a scatter-add (no atomics, no sort in the
-backward). Nothing waits for the device (no host sync) on the CUDA path without expert parallelism. The router
-and the top-k run in float32 whatever the compute dtype (close scores choose differently in bf16).
-
-`BLOCKZOO_MOE_COMPILE=1` runs the small elementwise pieces (the gathers with their sums and scalings, the gated
-activation) through `torch.compile` on CUDA, so each is one fused kernel; off by default.
+(`torch._grouped_mm`, CUDA bf16); the outputs are weighted by the routing scores and summed back per token
+(`dispatch`: no scatter-add, no host sync on the CUDA path without expert parallelism). The router and the top-k
+run in float32 whatever the compute dtype (close scores choose differently in bf16).
 
 Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: each rank computes a partial sum
 of every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so
@@ -31,13 +25,10 @@ backward exchanges the gradients the same way, so an expert's gradient holds eve
 
 from __future__ import annotations
 
-import functools
-import os
 import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from blockzoo.api import (
@@ -60,128 +51,7 @@ from blockzoo.api import (
     scaled_lr,
 )
 from blockzoo_moe.config import MoEMLPConfig
-
-
-def _exchange(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """All-to-all of rows: `input_splits[r]` rows go to rank r, `output_splits[r]` come from it."""
-    output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-    dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits, group=group)
-    return output
-
-
-class _AllToAll(torch.autograd.Function):
-    """`_exchange` forward; the reverse exchange of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _exchange(tensor, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        output_splits, input_splits = ctx.splits
-        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-COMPILE_VARIABLE = "BLOCKZOO_MOE_COMPILE"
-
-
-def _compiling(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and os.environ.get(COMPILE_VARIABLE, "0") == "1"
-
-
-@functools.cache
-def _compiled(function):
-    return torch.compile(function)
-
-
-def _piece(function, tensor: torch.Tensor):
-    """`function`, through torch.compile where BLOCKZOO_MOE_COMPILE=1 and `tensor` is on CUDA."""
-    return _compiled(function) if _compiling(tensor) else function
-
-
-class ExpertOrder(NamedTuple):
-    """The (token, expert) pairs sorted by expert; pair p = token · k + j is the token's j-th choice.
-
-    `tokens[i]`: the token of sorted row i; `inverse[p]`: the sorted row of pair p; `sorted_experts[i]`: its expert;
-    `counts[e]`: the rows of expert e. All on the device, computed without a host sync."""
-
-    tokens: torch.Tensor
-    inverse: torch.Tensor
-    sorted_experts: torch.Tensor
-    counts: torch.Tensor
-
-    @classmethod
-    def of(cls, selected: torch.Tensor, experts: int) -> ExpertOrder:
-        """From `selected` [tokens, k], each token's experts."""
-        flat = selected.flatten()
-        order = flat.argsort(stable=True)  # sorted row i holds pair order[i]
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
-        # Not bincount: on CUDA it reads the largest value back to the host.
-        counts = flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))
-        return cls(order // selected.shape[1], inverse, flat[order], counts)
-
-
-def _gather_sum(rows: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
-    """Σ_j rows[index[t·k + j]] for every t: [len(index) / k, width]."""
-    return rows.index_select(0, index).view(-1, k, rows.shape[-1]).sum(1)
-
-
-def _weighted_gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_j weights[t, j] · rows[index[t·k + j]] for every t, accumulated in fp32: [len(weights), width]."""
-    gathered = rows.index_select(0, index).view(*weights.shape, rows.shape[-1])
-    return torch.bmm(weights.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)
-
-
-def _combine_backward(
-    grad: torch.Tensor, outputs: torch.Tensor, tokens: torch.Tensor, sorted_scores: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad[tokens[i]] · sorted_scores[i], Σ_h grad[tokens[i], h] · outputs[i, h]) for every sorted row i, the
-    dot products in fp32."""
-    grad_rows = grad.index_select(0, tokens)
-    return grad_rows * sorted_scores.to(grad.dtype).unsqueeze(-1), (grad_rows * outputs).sum(-1, dtype=torch.float32)
-
-
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation) -> torch.Tensor:
-    return activation(gate) * up
-
-
-class _Dispatch(torch.autograd.Function):
-    """hidden[tokens]: the tokens' rows in the experts' order (each token k times). Backward: each token's gradient
-    is the sum of its k rows', gathered through `inverse` (no scatter-add)."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return hidden.index_select(0, tokens)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (inverse,) = ctx.saved_tensors
-        return _piece(_gather_sum, grad)(grad, inverse, ctx.k), None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """Σ_j scores[t, j] · outputs[inverse[t·k + j]]: each token's k expert outputs (in the experts' order), weighted.
-    Backward: the outputs' gradient is the token's gradient times the pair's score, and each score's gradient the
-    dot product of the token's gradient with the pair's output; both gathered, in the outputs' order."""
-
-    @staticmethod
-    def forward(
-        ctx, outputs: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.save_for_backward(outputs, scores, tokens, inverse)
-        return _piece(_weighted_gather_sum, outputs)(outputs, inverse, scores)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        outputs, scores, tokens, inverse = ctx.saved_tensors
-        # The scores in the outputs' order: sorted row inverse[p] holds pair p.
-        sorted_scores = torch.empty_like(scores.flatten()).index_copy_(0, inverse, scores.flatten())
-        grad_outputs, dots = _piece(_combine_backward, grad)(grad, outputs, tokens, sorted_scores)
-        grad_scores = dots.index_select(0, inverse).view(scores.shape).to(scores.dtype)
-        return grad_outputs, grad_scores, None, None
+from blockzoo_moe.dispatch import Combine, Dispatch, ExpertOrder, compiled_piece, gated, products_on_expert_ranks
 
 
 class ExpertProjection(nn.Module):
@@ -423,13 +293,13 @@ class MoEMLP(MLP):
         if order is None:
             order = ExpertOrder.of(selected, self.config.experts)
         # Each expert's tokens one contiguous block of rows.
-        routed = _Dispatch.apply(copy_to_tensor_region(hidden, group), order.tokens, order.inverse, top_k)
+        routed = Dispatch.apply(copy_to_tensor_region(hidden, group), order.tokens, order.inverse, top_k)
         if self._data_group is not None:
             outputs = self._exchanged_expert_products(routed, order.counts)
         else:
             outputs = self._expert_products(routed, order.counts, order.sorted_experts)
         region_scores = copy_to_tensor_region(scores, group)
-        combined = _Combine.apply(outputs, region_scores, order.tokens, order.inverse)
+        combined = Combine.apply(outputs, region_scores, order.tokens, order.inverse)
         combined = reduce_from_tensor_region(combined, group)
         if self.down.bias is not None and self._data_group is None:
             # Each expert's bias weighted by the token's score for it; replicated, so added after the reduction.
@@ -448,21 +318,8 @@ class MoEMLP(MLP):
     def _exchanged_expert_products(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: each of `routed` (sorted by expert, `counts` per global expert) goes to the rank
         holding its expert and its output (down bias included) comes back, in the same order."""
-        group, local = self._data_group, self._local_experts
-        sent = counts.view(group.size(), local)
-        received = torch.empty_like(sent)  # received[source, expert]: rows from rank `source` for local `expert`.
-        dist.all_to_all_single(received, sent, group=group)
-        send_splits, receive_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = _AllToAll.apply(routed, receive_splits, send_splits, group)
-        # Arrived source-major; the products need the rows expert-major (a stable sort keeps the sources' order).
-        arrived_experts = torch.arange(local, device=counts.device).repeat(group.size())
-        arrived_experts = arrived_experts.repeat_interleave(received.flatten())
-        order = arrived_experts.argsort(stable=True)
-        outputs = self._expert_products(arrived[order], received.sum(0), arrived_experts[order])
-        if self.down.bias is not None:
-            outputs = outputs + self.down.bias.to(outputs.dtype).view(local, -1)[arrived_experts[order]]
-        returned = torch.empty_like(outputs).index_copy(0, order, outputs)
-        return _AllToAll.apply(returned, send_splits, receive_splits, group)
+        bias = None if self.down.bias is None else self.down.bias.view(self._local_experts, -1)
+        return products_on_expert_ranks(routed, counts, self._data_group, self._expert_products, bias)
 
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """gate_up [part, expert, intermediate, hidden], its bias [part, expert, intermediate] or None, and
@@ -477,7 +334,7 @@ class MoEMLP(MLP):
         if not self.config.gated:
             return self._activation(projected[0])
         # Compiled: one kernel each way, and only gate and up are kept for the backward.
-        return _piece(_gated, projected[0])(projected[0], projected[1], self._activation)
+        return compiled_piece(gated, projected[0])(projected[0], projected[1], self._activation)
 
     def _looped_expert_products(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert's MLP (without the down bias) over its block of `routed`: one matrix product per expert."""
