@@ -142,6 +142,7 @@ def test_the_layer_and_its_slices_through_the_kernels():
 
 # Shared memory per block on Hopper (H100, H200): 227 KiB. Triton reports a kernel's need when it compiles it.
 HOPPER_SHARED_MEMORY = 232448
+HOPPER_MULTIPROCESSOR_SHARED_MEMORY = 233472  # 228 KiB, shared by the blocks resident on one multiprocessor
 # The kernels' pointer arguments that are not fp32: bf16 activations (the training case) and int32 chunk tables.
 BF16_ARGUMENTS = ("q", "k", "v", "beta", "output", "output_gradient", "v_gradient")
 INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
@@ -199,6 +200,9 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
     needs = {name: shared_memory_on_hopper(kernel, options) for name, (kernel, options) in kernels.items()}
     print(needs)
     assert all(0 < need <= HOPPER_SHARED_MEMORY for need in needs.values()), needs
+    # The sequential passes run two programs to a multiprocessor (each block also reserves 1 KiB).
+    for name in ("pass_states", "pass_state_gradients"):
+        assert 2 * (needs[name] + 1024) <= HOPPER_MULTIPROCESSOR_SHARED_MEMORY, needs
 
 
 def test_the_kernel_choice_on_the_cpu(monkeypatch):

@@ -28,14 +28,16 @@ CHUNK_SIZE = 64
 MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
 # Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
-# kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size]
-# and [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers, and the backward's one cannot keep a
-# second stage of its loads in flight; the state passes take blocks of VALUE_BLOCK value channels (more programs,
-# fewer registers each) and overlap two chunks' loads. The kernel benchmark (benchmarks/gdn_kernel.py --launches)
-# times other choices.
+# kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size] and
+# [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers, and the backward's one cannot keep a second
+# stage of its loads in flight. The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer
+# registers each): at 4 documents of 16 heads × 128 value channels (the kernel benchmark's shape) that is 256 programs,
+# which one stage of loads (57 and 94 KiB) lets run two to a multiprocessor, in one wave on 132 of them; with two stages
+# (131 and 164 KiB) they would take two waves of 64 sequential steps each. The kernel benchmark
+# (benchmarks/gdn_kernel.py --launches) times other choices.
 PREPARE_OPTIONS = {"num_warps": 8}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
-STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
+STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 1}
 CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 1}
 VALUE_BLOCK = 32
 
