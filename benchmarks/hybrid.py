@@ -171,12 +171,9 @@ class Suite:
         self.runner.finish(case)
 
     def ours(self, case: str, setting: str) -> harness.Timing:
-        tokens = self.tokens(case)
-        config = ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1])
-        model, optimizer = ours.build(config)
-        timing = self.time(ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)))
-        timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
-        return timing
+        return ours.timed_training(
+            self.model, setting, self.tokens(case), self.time, self.losses.get(case), LOSS_TOLERANCE
+        )
 
     def transformers(self, case: str) -> harness.Timing:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -192,16 +189,7 @@ class Suite:
             raise ValueError(f"transformers' model has {count} parameters, ours {self.parameters}")
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=self.device.type == "cuda")
-
-        def step() -> torch.Tensor:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        timing = self.time(step)
+        timing = self.time(ours.peer_step(lambda: model(input_ids=tokens, labels=tokens).loss, optimizer, self.device))
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
         return timing
 

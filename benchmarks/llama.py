@@ -142,12 +142,9 @@ class Suite:
         return harness.time_steps(step, warmup=self.arguments.warmup, steps=self.arguments.steps, device=self.device)
 
     def ours(self, case: str, setting: str) -> harness.Timing:
-        tokens = self.tokens(case)
-        config = ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1])
-        model, optimizer = ours.build(config)
-        timing = self.time(ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)))
-        timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
-        return timing
+        return ours.timed_training(
+            self.model, setting, self.tokens(case), self.time, self.losses.get(case), LOSS_TOLERANCE
+        )
 
     def transformers(self, case: str, peer: str) -> harness.Timing:
         tokens = self.tokens(case)
@@ -164,16 +161,9 @@ class Suite:
                 shapes.load_into(model, self.weights)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=self.device.type == "cuda")
             forward = torch.compile(model) if peer == "transformers-compile" else model
-
-            def step() -> torch.Tensor:
-                with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                    loss = forward(input_ids=tokens, labels=tokens).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            timing = self.time(step)
+            timing = self.time(
+                ours.peer_step(lambda: forward(input_ids=tokens, labels=tokens).loss, optimizer, self.device)
+            )
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
         return timing
 
@@ -197,15 +187,10 @@ class Suite:
         labelled = int((labels != -100).sum())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
-        def step() -> torch.Tensor:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = loss_function(titan_peer.llama_logits(model, tokens), labels) / labelled
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+        def loss() -> torch.Tensor:
+            return loss_function(titan_peer.llama_logits(model, tokens), labels) / labelled
 
-        timing = self.time(step)
+        timing = self.time(ours.peer_step(loss, optimizer, self.device))
         tolerance = LOSS_TOLERANCE if float8 is None else FLOAT8_LOSS_TOLERANCE
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), tolerance)
         return timing

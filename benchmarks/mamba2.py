@@ -121,12 +121,9 @@ class Suite:
         self.runner.finish(case)
 
     def ours_lm(self, case: str, setting: str) -> harness.Timing:
-        tokens = self.tokens(case)
-        config = ours.run_config(self.model, setting, rows=len(tokens), length=tokens.shape[1])
-        model, optimizer = ours.build(config)
-        timing = self.time(ours.bare_step(model, optimizer, tokens, cuda_graphs=ours.uses_cuda_graphs(config)))
-        timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
-        return timing
+        return ours.timed_training(
+            self.model, setting, self.tokens(case), self.time, self.losses.get(case), LOSS_TOLERANCE
+        )
 
     def mamba_ssm_lm(self, case: str) -> harness.Timing:
         import_mamba_ssm()
@@ -142,16 +139,10 @@ class Suite:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         labels = ours.next_token_labels(tokens)
 
-        def step() -> torch.Tensor:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                logits = model(tokens).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=-100)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+        def loss() -> torch.Tensor:
+            return F.cross_entropy(model(tokens).logits.flatten(0, 1).float(), labels, ignore_index=-100)
 
-        timing = self.time(step)
+        timing = self.time(ours.peer_step(loss, optimizer, self.device))
         timing.extra = ours.loss_check(timing.first_value, self.losses.get(case), LOSS_TOLERANCE)
         return timing
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Absent
+from benchmarks.harness import Absent, Timing
 
 
 def overrides(setting: str) -> list[str]:
@@ -122,6 +122,33 @@ def bare_step(model, optimizer, tokens: torch.Tensor, *, cuda_graphs: bool = Fal
         values, _ = gradients([PlacedMicroBatch(flat, labels, Batch([length] * rows, device=tokens.device))])
         optimizer.step()
         return values[0]
+
+    return step
+
+
+def timed_training(
+    model: Mapping[str, Any], setting: str, tokens: torch.Tensor, time, reference: float | None, tolerance: float
+) -> Timing:
+    """Our model of the `model:` config in `setting`, built as the trainer builds it, its bare step on `tokens`
+    timed by `time(step)`, its step-0 loss checked against `reference`."""
+    config = run_config(model, setting, rows=len(tokens), length=tokens.shape[1])
+    built, optimizer = build(config)
+    timing = time(bare_step(built, optimizer, tokens, cuda_graphs=uses_cuda_graphs(config)))
+    timing.extra = loss_check(timing.first_value, reference, tolerance)
+    return timing
+
+
+def peer_step(loss, optimizer, device: torch.device):
+    """A peer's training step: `loss()` under bf16 autocast (the peers keep fp32 master weights), its backward, the
+    optimizer's step. Returns a function that runs it and returns the loss (a tensor)."""
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            value = loss()
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return value.detach()
 
     return step
 
