@@ -18,7 +18,6 @@ from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TEN
 from blockzoo.layers.dims import TensorDim
 from blockzoo.plugins import get_registry
 from blockzoo_moe import dispatch as pairs
-from blockzoo_moe import moe
 from blockzoo_moe.config import EXPERT_PARALLEL, MoEMLPConfig
 from blockzoo_moe.dispatch import Combine, Dispatch, ExpertOrder
 from blockzoo_moe.moe import MoEMLP

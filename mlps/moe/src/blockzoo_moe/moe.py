@@ -1,26 +1,26 @@
 """The mixture of experts: a router, top-k routing, dropless experts, optional shared experts.
 
-Dropless computation: the (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous;
-each projection is then one matrix product per expert (CPU, fp32) or one grouped GEMM over all experts
-(`torch._grouped_mm`, CUDA bf16); the outputs are weighted by the routing scores and summed back per token
-(`dispatch`: no scatter-add, no host sync on the CUDA path without expert parallelism). The router and the top-k
-run in float32 whatever the compute dtype (close scores choose differently in bf16).
+Dropless computation: the (token, expert) pairs are sorted by expert, so each expert's tokens are contiguous; each
+projection is then one matrix product per expert (CPU, fp32) or one grouped GEMM over all experts (`torch._grouped_mm`,
+CUDA bf16); the outputs are weighted by the routing scores and summed back per token (`dispatch`: no scatter-add, no
+host sync on the CUDA path without expert parallelism). The router and the top-k run in float32 whatever the compute
+dtype (close scores choose differently in bf16).
 
-Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: each rank computes a partial sum
-of every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so
-every rank computes the same logits, routing and losses; the scores enter the tensor-parallel region (their
-gradient is summed over the ranks' partial outputs).
+Tensor parallelism splits every expert's intermediate dim, as in the dense MLP: each rank computes a partial sum of
+every expert's output, reduced once after the per-token sum. The router is replicated and sees all tokens, so every rank
+computes the same logits, routing and losses; the scores enter the tensor-parallel region (their gradient is summed over
+the ranks' partial outputs).
 
 Sequence-data parallelism and micro-sequences need nothing of the experts (each token is routed alone); the load-
 balancing and z losses are functions of sums over the tokens (routings and probabilities per expert, squared router
-log-sum-exps, the token count), added as statistics (`Batch.add_statistics_loss`), so over slices the engine sums
-them over every slice of the micro-batch first: the losses equal the single process's.
+log-sum-exps, the token count), added as statistics (`Batch.add_statistics_loss`), so over slices the engine sums them
+over every slice of the micro-batch first: the losses equal the single process's.
 
-Expert parallelism (`expert_parallel`) splits the experts between the data-parallel ranks: their weights are
-parameters sharded over the data group (`create_parameter(data_parallel_dims=...)`: not all-reduced over it, the
-checkpoint holds the global tensor). Each rank routes its own tokens, sends each (token, expert) pair to the rank
-holding the expert (an all-to-all), runs its experts and sends the results back (the reverse all-to-all); the
-backward exchanges the gradients the same way, so an expert's gradient holds every rank's tokens.
+Expert parallelism (`expert_parallel`) splits the experts between the data-parallel ranks: their weights are parameters
+sharded over the data group (`create_parameter(data_parallel_dims=...)`: not all-reduced over it, the checkpoint holds
+the global tensor). Each rank routes its own tokens, sends each (token, expert) pair to the rank holding the expert (an
+all-to-all), runs its experts and sends the results back (the reverse all-to-all); the backward exchanges the gradients
+the same way, so an expert's gradient holds every rank's tokens.
 """
 
 from __future__ import annotations
@@ -202,7 +202,6 @@ class MoEMLP(MLP):
             self._jitter_generator = torch.Generator(distributed.device).manual_seed(self._jitter_seed)
 
     def forward(self, hidden: torch.Tensor, batch: Batch, state: Any = None) -> torch.Tensor:
-        # The router in float32 whatever the compute dtype: close scores choose differently in bf16.
         logits = self.router(self._jittered(hidden).float())
         scores, selected = self.route(logits)
         order = ExpertOrder.of(selected, self.config.experts)
