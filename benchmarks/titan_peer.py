@@ -10,6 +10,7 @@ Every torchtitan import is inside a function: without it the peer is absent, not
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ def _placeholder_for_parallelization() -> None:
     sys.modules[PARALLELIZATION_MODULE] = placeholder
 
 
+@functools.cache  # once per process: each call would wrap (and compile) anew
 def _block_masks_of_an_older_torch() -> None:
     """torchtitan 0.3.0 asks FlexAttention's `create_block_mask` to `separate_full_blocks` (a parameter of torch >=
     2.12) unless it runs batch-invariant. torch 2.11's `create_block_mask` has no such parameter and always separates
