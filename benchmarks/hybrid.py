@@ -1,7 +1,7 @@
 """Suite `hybrid`: a training step of a Gated DeltaNet + attention hybrid LM with Qwen3-Next's layers and its 3:1
 pattern, ours against transformers' `Qwen3NextForCausalLM`.
 
-    python benchmarks/hybrid.py [--cases 4x4096 8x4096] [--ours SETTING ...] [--steps 6] [--warmup 3] [--json PATH]
+    python benchmarks/hybrid.py [--cases 2x4096 4x4096 8x4096] [--ours SETTING ...] [--steps 6] [--warmup 3] [--json PATH]
         [--tiny]
 
 The shape (HYBRID_1B, ~1.2B parameters): d 2048, 16 layers, every fourth gated attention (16 heads × 256, 2
@@ -38,7 +38,8 @@ import torch
 from benchmarks import harness, ours, shapes
 
 SUITE = "hybrid"
-CASES = {"4x4096": (4, 4096), "8x4096": (8, 4096)}
+# 2x4096: transformers' 4x4096 step needs more than an 80 GB card holds.
+CASES = {"2x4096": (2, 4096), "4x4096": (4, 4096), "8x4096": (8, 4096)}
 DEFAULT_CASES = ["4x4096"]
 DEFAULT_OURS = ["compile=blocks"]
 TINY_LENGTH = 32

@@ -217,12 +217,13 @@ class Suite:
         from blockzoo.config import structure
         from blockzoo.layers.base import Batch
         from blockzoo_attention.config import RotaryConfig
-        from blockzoo_attention.rotary import apply_rotary, rotary_tables
+        from blockzoo_attention.rotary import apply_rotary, rotary_constants, rotary_tables
 
         tokens, head_size = shape["tokens"], shape["head_size"]
         document = min(DOCUMENT, tokens)
         batch = Batch([document] * (tokens // document), device=self.device)
-        tables = rotary_tables(structure({"type": "default", "theta": 10000.0}, RotaryConfig), head_size, batch)
+        rotary = rotary_constants(structure({"type": "default", "theta": 10000.0}, RotaryConfig), head_size)
+        tables = rotary_tables(rotary, batch)
         query, key = self.randn(tokens, Q_HEADS, head_size), self.randn(tokens, KV_HEADS, head_size)
 
         def ours(query: torch.Tensor, key: torch.Tensor):

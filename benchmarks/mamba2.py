@@ -2,7 +2,7 @@
 64, expand 2, vocab 50288 tied, no MLP: 1.34B parameters), ours against mamba_ssm's `MambaLMHeadModel`; and the
 layer alone, forward + backward, ours against mamba_ssm's `Mamba2`.
 
-    python benchmarks/mamba2.py [--cases 4x4096 8x4096 layer] [--ours SETTING ...] [--steps 6] [--warmup 3]
+    python benchmarks/mamba2.py [--cases 2x4096 4x4096 8x4096 layer] [--ours SETTING ...] [--steps 6] [--warmup 3]
         [--json PATH] [--tiny]
 
 The peer is built by mamba_ssm (imported through `blockzoo_ssm.import_mamba_ssm`, the project's one adapter) with
@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from benchmarks import harness, ours, shapes
 
 SUITE = "mamba2"
-CASES = {"4x4096": (4, 4096), "8x4096": (8, 4096), "layer": (8, 2048)}
+# 2x4096: the peer's 4x4096 step needs more than an 80 GB card holds.
+CASES = {"2x4096": (2, 4096), "4x4096": (4, 4096), "8x4096": (8, 4096), "layer": (8, 2048)}
 TINY_LENGTH = 32
-DEFAULT_OURS = {"4x4096": ["compile=none", "compile=blocks"], "8x4096": ["compile=none", "compile=blocks"]}
+DEFAULT_OURS = dict.fromkeys(["2x4096", "4x4096", "8x4096"], ["compile=none", "compile=blocks"])
 LAYER = shapes.Mamba2Shape(hidden=1024, layers=1, state=128, head_size=64, expand=2, vocab=0)
 LOSS_TOLERANCE = 1e-3
 

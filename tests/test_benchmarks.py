@@ -546,11 +546,18 @@ def test_moe_suite_runs_ours_and_transformers(tmp_path):
     assert found[("mixtral", "transformers Mixtral block, eager, fp32 + autocast")] == "ok"
 
 
+def test_kernels_suite_sets_up_and_runs_the_rotary_case(tmp_path):
+    """The fast sibling of the next test: the case whose set-up calls the attention plugin's API."""
+    found = statuses(run_suite(tmp_path, "kernels", "--cases", "rotary-4096x64"))
+    assert found[("rotary-4096x64", "ours (blockzoo_attention apply_rotary)")] == "ok", found
+
+
 @pytest.mark.slow
 def test_kernels_suite_runs_a_case_of_each_kind(tmp_path):
     cases = ["rmsnorm-32768x2048", "add-rmsnorm-32768x2048", "rotary-4096x64", "swiglu-16384x8192", "ce-50288"]
     records = run_suite(tmp_path, "kernels", "--cases", *cases, "conv-16384")
     found = statuses(records)
+    assert {case for case, _ in found} == {*cases, "conv-16384"}, found  # a case that could not be set up has none
     for record in records:
         if record["record"] == "case" and record["case"] in cases:
             ours_result = next(result for result in record["results"] if result["ours"])
