@@ -6,8 +6,9 @@ states and every input's gradient). Run on a GPU:
     python mixers/gated_delta_net/benchmarks/gdn_kernel.py [--documents 4 --length 4096 --heads 16 --key-heads 16 ...]
 
 `--launches state=4x1,chunk=4x3,value_block=16 ...` times our forward and forward+backward again under other launch
-options (KERNEL=WARPSxSTAGES for the kernels' groups prepare, chunk, state and gradient; value_block: the value
-channels of a program); `--profile` prints where each contender's forward+backward spends its GPU time, by kernel.
+options (KERNEL=WARPSxSTAGES for the kernels' groups prepare, chunk, state, gradient and wy; value_block and
+key_block: the value and key channels of a program); `--profile` prints where each contender's forward+backward
+spends its GPU time, by kernel.
 
 fla's forward+backward is timed with its Hopper refusal lifted (`gdn_layer.fla_check_lifted`: a figure of its speed
 only; its issue #640 says its gradients are wrong there).
@@ -79,7 +80,10 @@ LAUNCH_GROUPS = {
     "chunk": "CHUNK_OPTIONS",
     "state": "STATE_PASS_OPTIONS",
     "gradient": "CHUNK_GRADIENT_OPTIONS",
+    "wy": "WY_GRADIENT_OPTIONS",
 }
+# --launches' block sizes: the attributes of `triton_delta_rule` they set.
+BLOCK_SIZES = {"value_block": "VALUE_BLOCK", "key_block": "KEY_BLOCK"}
 
 
 def launch_settings(text: str) -> dict:
@@ -88,15 +92,17 @@ def launch_settings(text: str) -> dict:
     for item in text.split(","):
         key, _, value = item.partition("=")
         try:
-            if key == "value_block":
-                settings["VALUE_BLOCK"] = int(value)
+            if key in BLOCK_SIZES:
+                settings[BLOCK_SIZES[key]] = int(value)
             elif key in LAUNCH_GROUPS:
                 warps, _, stages = value.partition("x")
                 settings[LAUNCH_GROUPS[key]] = {"num_warps": int(warps), "num_stages": int(stages)}
             else:
-                raise ValueError(f"no kernel group {key!r} (groups: {', '.join(LAUNCH_GROUPS)}, value_block)")
+                raise ValueError(f"no kernel group {key!r} (groups: {', '.join([*LAUNCH_GROUPS, *BLOCK_SIZES])})")
         except ValueError as error:
-            raise SystemExit(f"--launches {text}: {error}; the form is GROUP=WARPSxSTAGES,value_block=N") from None
+            raise SystemExit(
+                f"--launches {text}: {error}; the form is GROUP=WARPSxSTAGES,value_block=N,key_block=N"
+            ) from None
     return settings
 
 

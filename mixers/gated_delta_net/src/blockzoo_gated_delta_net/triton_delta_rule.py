@@ -16,8 +16,9 @@ import torch
 import triton
 
 from blockzoo_gated_delta_net.triton_backward import (
-    chunk_gradients,
+    chunk_key_gradients,
     chunk_new_value_gradients,
+    chunk_wy_gradients,
     pass_state_gradients,
 )
 from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
@@ -29,17 +30,20 @@ MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
 # Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
 # kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size] and
-# [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers, and the backward's one cannot keep a second
-# stage of its loads in flight. The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer
-# registers each): at 4 documents of 16 heads × 128 value channels (the kernel benchmark's shape) that is 256 programs,
-# which one stage of loads (57 and 94 KiB) lets run two to a multiprocessor, in one wave on 132 of them; with two stages
-# (131 and 164 KiB) they would take two waves of 64 sequential steps each. The kernel benchmark
-# (benchmarks/gdn_kernel.py --launches) times other choices.
+# [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers. The state passes take blocks of VALUE_BLOCK
+# value channels (more programs, fewer registers each): at 4 documents of 16 heads × 128 value channels (the kernel
+# benchmark's shape) that is 256 programs, which one stage of loads (57 and 94 KiB) lets run two to a multiprocessor,
+# in one wave on 132 of them; with two stages (131 and 164 KiB) they would take two waves of 64 sequential steps each.
+# The backward's per-chunk gradients take blocks of KEY_BLOCK key channels, so that several of their programs fit a
+# multiprocessor (64 and 104 KiB; with whole key heads of 128, one kernel doing both needed 214 KiB). The kernel
+# benchmark (benchmarks/gdn_kernel.py --launches) times other choices.
 PREPARE_OPTIONS = {"num_warps": 8}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
 STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 1}
-CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 1}
+CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 2}
+WY_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 2}
 VALUE_BLOCK = 32
+KEY_BLOCK = 64
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
@@ -154,14 +158,23 @@ class TritonGatedDeltaRule(torch.autograd.Function):
             )  # fmt: skip
         q_gradient = torch.zeros(tokens, heads, key_size, **fp32)
         k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
+        w_gradient = torch.empty(tokens, heads, key_size, **fp32)
         v_gradient = torch.zeros_like(v)
         beta_gradient = torch.zeros(tokens, heads, **fp32)
         g_gradient = torch.zeros(tokens, heads, **fp32)
+        key_block = min(KEY_BLOCK, blocks["BLOCK_K"])
+        key_blocks = triton.cdiv(key_size, key_block)
+        b_gradient_parts = torch.empty(key_blocks, tokens, heads, **fp32)
         if chunks:
-            chunk_gradients[(chunks, heads)](
-                q, k, v, beta, log_decay, inverse, states, new_values, output_gradient, state_gradients,
-                new_value_gradients, starts, ends, q_gradient, k_gradient, v_gradient, beta_gradient, g_gradient,
-                **sizes, **blocks, **CHUNK_GRADIENT_OPTIONS,
+            chunk_key_gradients[(chunks, heads, key_blocks)](
+                q, k, log_decay, states, new_values, output_gradient, state_gradients, new_value_gradients, starts,
+                ends, q_gradient, k_gradient, w_gradient, b_gradient_parts, tokens, **sizes,
+                **(blocks | {"BLOCK_K": key_block}), **CHUNK_GRADIENT_OPTIONS,
+            )  # fmt: skip
+            chunk_wy_gradients[(chunks, heads)](
+                k, v, beta, log_decay, inverse, new_value_gradients, w_gradient, b_gradient_parts, starts, ends,
+                k_gradient, v_gradient, beta_gradient, g_gradient, tokens, key_blocks, **sizes,
+                **(blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
             )  # fmt: skip
         group = heads // key_heads
         # Value head h read key head h // group: a key head's gradient is the sum over its group.

@@ -187,11 +187,12 @@ def prepare_chunks(
 
 @triton.jit
 def _state_pointers(
-    pointer, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset
-):
-    """Pointers and mask of S[index, head, :, offset : offset + BLOCK_V] in a [n, heads, key_size, value_size]
-    tensor."""
-    keys = tl.arange(0, BLOCK_K)
+    pointer, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset,
+    key_offset,
+):  # fmt: skip
+    """Pointers and mask of S[index, head, key_offset : key_offset + BLOCK_K, offset : offset + BLOCK_V] in a
+    [n, heads, key_size, value_size] tensor."""
+    keys = key_offset + tl.arange(0, BLOCK_K)
     values = offset + tl.arange(0, BLOCK_V)
     base = (tl.cast(index, tl.int64) * heads + head) * key_size * value_size
     mask = (keys < key_size)[:, None] & (values < value_size)[None, :]
@@ -206,7 +207,7 @@ def _load_state(
     """S[index, head, :, offset : offset + BLOCK_V] in fp32, or zeros where there is none to read (not LOAD)."""
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     if LOAD:
-        pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+        pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0)
         state = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
     return state
 
@@ -215,7 +216,7 @@ def _load_state(
 def _store_state(
     pointer, state, index, heads, head, key_size, value_size, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, offset
 ):
-    pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
+    pointers, mask = _state_pointers(pointer, index, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0)
     tl.store(pointers, state, mask=mask)
 
 
@@ -327,7 +328,7 @@ def chunk_outputs(
     )  # fmt: skip
     for offset in range(0, value_size, BLOCK_V):
         pointers, mask = _state_pointers(
-            states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
+            states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0
         )
         # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
         state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
