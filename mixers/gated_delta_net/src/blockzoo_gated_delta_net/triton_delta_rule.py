@@ -24,24 +24,25 @@ from blockzoo_gated_delta_net.triton_backward import (
 from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
 
 CHUNK_SIZE = 64
-# Head sizes the kernels take: a block of key channels holds a whole key head (tl.dot wants >= 16 of them). Above
-# 128 key channels the backward's per-chunk kernel needs more shared memory than a Hopper GPU has (227 KiB).
+# Head sizes the kernels take: the forward's kernels hold a whole key head in one block (tl.dot wants >= 16 channels);
+# their shared memory is sized and checked for Hopper (227 KiB) at 128 key channels, the most they take.
 MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
 # Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
-# kernels' sizes compiled for sm_90 are checked in the tests): the per-chunk kernels hold several [CHUNK, key_size] and
-# [CHUNK, CHUNK] fp32 tiles, so 8 warps spread them over more registers. The state passes take blocks of VALUE_BLOCK
-# value channels (more programs, fewer registers each): at 4 documents of 16 heads × 128 value channels (the kernel
-# benchmark's shape) that is 256 programs, which one stage of loads (57 and 94 KiB) lets run two to a multiprocessor,
-# in one wave on 132 of them; with two stages (131 and 164 KiB) they would take two waves of 64 sequential steps each.
-# The backward's per-chunk gradients take blocks of KEY_BLOCK key channels, so that several of their programs fit a
-# multiprocessor (64 and 104 KiB; with whole key heads of 128, one kernel doing both needed 214 KiB). The kernel
-# benchmark (benchmarks/gdn_kernel.py --launches) times other choices.
+# kernels' sizes compiled for sm_90 are checked in the tests): the forward's per-chunk kernels hold several
+# [CHUNK, key_size] and [CHUNK, CHUNK] fp32 tiles (preparing them, 8 warps spread them over more registers). The state
+# passes take blocks of VALUE_BLOCK value channels (more programs, fewer registers each): at 4 documents of 16 heads ×
+# 128 value channels (the kernel benchmark's shape) that is 256 programs, which one stage of loads (57 and 94 KiB)
+# lets run two to a multiprocessor, in one wave on 132 of them; with two stages (131 and 164 KiB) they would take two
+# waves of 64 sequential steps each. The backward's per-chunk gradients take blocks of KEY_BLOCK key channels, so that
+# several of their programs fit a multiprocessor (52 and 104 KiB; with whole key heads of 128, one kernel doing both
+# needed 214 KiB); 4 warps and two stages timed faster than 8 warps on an H100. The kernel benchmark
+# (benchmarks/gdn_kernel.py --launches) times other choices.
 PREPARE_OPTIONS = {"num_warps": 8}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
 STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 1}
-CHUNK_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 2}
-WY_GRADIENT_OPTIONS = {"num_warps": 8, "num_stages": 2}
+CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
+WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
 VALUE_BLOCK = 32
 KEY_BLOCK = 64
 
