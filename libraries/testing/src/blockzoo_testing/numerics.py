@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockzoo.layers.base import Batch, Layer
-from blockzoo_testing.layers import ConformanceError, layer_inputs, relative_error, run_layer
+from blockzoo_testing.runs import ConformanceError, layer_inputs, relative_error, run_layer
 
 Reference = Callable[[Layer, torch.Tensor, list[int]], torch.Tensor]
 

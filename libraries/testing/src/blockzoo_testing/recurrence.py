@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from blockzoo.layers.base import Batch, Layer, slice_batch
-from blockzoo_testing.layers import ConformanceError, _mismatch, check_forward_slices, layer_inputs
+from blockzoo_testing.layers import check_forward_slices
+from blockzoo_testing.runs import ConformanceError, layer_inputs, mismatch
 
 RECURRENT_LENGTHS = (5, 1, 7, 3)
 RECURRENT_SLICE_LENGTHS = (1, 2, 4)
@@ -60,7 +61,7 @@ def check_recurrent_slices(
         expected = reference_forward(layer, hidden, list(lengths))
         for slice_length, (output, _) in zip(slice_lengths, runs, strict=True):
             what = f"the output of slices of {slice_length} tokens against the reference"
-            problems.append(_mismatch(output.double(), expected, reference_tolerance, what))
+            problems.append(mismatch(output.double(), expected, reference_tolerance, what))
     if generation_carry is not None:
         problems += _carry_problems(layer, hidden, lengths[-1], runs[-1][1], generation_carry, tolerance)
     problems = [problem for problem in problems if problem]
@@ -91,8 +92,8 @@ def _carry_problems(layer, hidden, last_length, carry, generation_carry, toleran
     convolution, scan_state = generation_carry(state)
     rows = len(document)  # the carry's rows before the document are of the documents before it
     return [
-        _mismatch(carry.state, scan_state, tolerance or {"atol": 1e-5, "rtol": 1e-5}, "the carry's state"),
-        _mismatch(carry.convolution[-rows:], convolution[-rows:], _INPUTS_TOLERANCE, "the carry's convolution inputs"),
+        mismatch(carry.state, scan_state, tolerance or {"atol": 1e-5, "rtol": 1e-5}, "the carry's state"),
+        mismatch(carry.convolution[-rows:], convolution[-rows:], _INPUTS_TOLERANCE, "the carry's convolution inputs"),
     ]
 
 

@@ -14,15 +14,8 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.errors import PluginError
 from blockzoo.layers.base import Layer
 from blockzoo.plugins import TypeEntry, get_registry
-from blockzoo_testing.layers import (
-    ConformanceError,
-    LayerSignature,
-    _build,
-    _mismatch,
-    layer_inputs,
-    layer_signature,
-    single_process,
-)
+from blockzoo_testing.layers import LayerSignature, layer_signature
+from blockzoo_testing.runs import ConformanceError, build, layer_inputs, mismatch, single_process
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -109,13 +102,13 @@ class ConformanceBase:
 
     def _build(self, config: Config, distributed: Distributed | None = None) -> Layer:
         implementation = self._implementation(self._entry())
-        return _build(implementation, config, self.hidden_size, distributed or self._single_process())
+        return build(implementation, config, self.hidden_size, distributed or self._single_process())
 
     def _inputs(self, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return layer_inputs(tokens, self.hidden_size, seed)
 
     def _assert_close(self, actual: torch.Tensor, expected: torch.Tensor, what: str, fix: str) -> None:
-        problem = _mismatch(actual, expected, self.tolerance, what)
+        problem = mismatch(actual, expected, self.tolerance, what)
         if problem:
             _fail(f"{problem}. {fix}".rstrip(". ") + ".")
 

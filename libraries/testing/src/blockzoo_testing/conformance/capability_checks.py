@@ -7,7 +7,8 @@ import pytest
 
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_DATA_PARALLEL, TENSOR_PARALLEL
 from blockzoo_testing.conformance.base import ConformanceBase
-from blockzoo_testing.layers import check_decoding, check_forward_slices
+from blockzoo_testing.decoding import check_decoding
+from blockzoo_testing.layers import check_forward_slices
 from blockzoo_testing.parallel import check_sequence_data_parallel, check_tensor_parallel
 
 

@@ -15,7 +15,8 @@ from blockzoo.config import to_dict
 from blockzoo.layers.base import Batch
 from blockzoo.layers.parameter import materialize
 from blockzoo_testing.conformance.base import _DTYPES, ConformanceBase, _fail
-from blockzoo_testing.layers import check_packed_documents, check_padded_batch, single_process
+from blockzoo_testing.layers import check_packed_documents, check_padded_batch
+from blockzoo_testing.runs import single_process
 
 
 class LayerChecks(ConformanceBase):

@@ -27,7 +27,7 @@ from blockzoo.conversion import (
 from blockzoo.distributed.runtime import Distributed
 from blockzoo.plugins import TypeEntry, get_registry
 from blockzoo_testing.conformance.base import _fail
-from blockzoo_testing.layers import _build, single_process
+from blockzoo_testing.runs import build, single_process
 
 
 class ConverterSectionConformance:
@@ -114,7 +114,7 @@ class ConverterSectionConformance:
 
     def test_weights_round_trip(self) -> None:
         config = self._config()
-        layer = _build(self._entry().load_implementation(), config, self.hidden_size, self._distributed())
+        layer = build(self._entry().load_implementation(), config, self.hidden_size, self._distributed())
         generator = torch.Generator().manual_seed(self.seed)
         parameters = {
             name: parameter.detach() + torch.randn(parameter.shape, generator=generator)

@@ -8,7 +8,7 @@ from typing import Any
 
 from blockzoo.config import Config
 from blockzoo_testing.distributed import run_distributed
-from blockzoo_testing.layers import ConformanceError
+from blockzoo_testing.runs import ConformanceError
 
 DEFAULT_LENGTHS = (5, 1, 6)  # 12 tokens: sequence-tensor-parallel splits them between 2, 3, 4 or 6 ranks.
 DEFAULT_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}

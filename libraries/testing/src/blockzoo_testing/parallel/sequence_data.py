@@ -17,19 +17,19 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import SequenceData, slice_ranges
 from blockzoo.layers.config import SEQUENCE_DATA_PARALLEL
 from blockzoo.plugins import get_registry
-from blockzoo_testing.layers import (
+from blockzoo_testing.layouts import straddling_lengths
+from blockzoo_testing.parallel.jobs import DEFAULT_TOLERANCE, CheckedCase, run_checks
+from blockzoo_testing.runs import (
     DEFAULT_HIDDEN_SIZE,
     DEFAULT_SEED,
     ConformanceError,
-    _build,
-    _run_problems,
-    _run_slices,
-    _run_whole,
+    build,
     layer_inputs,
+    run_problems,
+    run_slices,
+    run_whole,
     single_process,
 )
-from blockzoo_testing.layouts import straddling_lengths
-from blockzoo_testing.parallel.jobs import DEFAULT_TOLERANCE, CheckedCase, run_checks
 
 DEFAULT_SEQUENCE_DATA_SIZES = (2, 4)  # 2 and 4 ranks, in one set of 4 processes
 DEFAULT_MICRO_SEQUENCE_LENGTHS = (None, 3)
@@ -167,8 +167,8 @@ def _layout_problems(job: _SequenceJob, layout: _SequenceLayout, distributed: Di
     ranges = slice_ranges(tokens, layout.size, rank, layout.micro_sequence_length)
     problems = []
     for case in job.cases:
-        reference = _build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
-        expected = _run_whole(reference, hidden, weights, layout.lengths)
+        reference = build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
+        expected = run_whole(reference, hidden, weights, layout.lengths)
         label = f"{case.name}: sequence_data_parallel={layout.size}"
         label += f", micro_sequence_length={layout.micro_sequence_length}" if layout.micro_sequence_length else ""
         label += "" if job.explicit else f", documents {list(layout.lengths)}"
@@ -192,14 +192,14 @@ def _sliced_problems(
     Every rank takes the same path whatever it finds: the exchanges are collectives."""
     hidden, weights = layer_inputs(sum(lengths), job.hidden_size)
     try:
-        layer = _build(case.implementation, case.config, job.hidden_size, distributed)
-        found, losses = _run_slices(layer, hidden, weights, lengths, ranges, sequence_data)
+        layer = build(case.implementation, case.config, job.hidden_size, distributed)
+        found, losses = run_slices(layer, hidden, weights, lengths, ranges, sequence_data)
     except Exception as error:  # noqa: BLE001
         return [f"{label}: the forward or backward pass failed: {type(error).__name__}: {error}"]
     for gradient in found.grads.values():  # replicated weights: their gradients are summed over the ranks
         dist.all_reduce(gradient, group=sequence_data.group)
     rows = torch.cat([torch.arange(start, stop) for start, stop in ranges])
-    return _run_problems(
+    return run_problems(
         found,
         expected[0],
         losses,

@@ -15,21 +15,18 @@ from blockzoo.distributed.runtime import Distributed
 from blockzoo.layers.base import Batch, Layer
 from blockzoo.layers.config import GENERATION_CACHE, SEQUENCE_TENSOR_PARALLEL, TENSOR_PARALLEL
 from blockzoo.plugins import get_registry
-from blockzoo_testing.layers import (
-    _DECODING_FIX,
-    DECODING_LENGTHS,
-    DECODING_STEPS,
+from blockzoo_testing.decoding import DECODING_FIX, DECODING_LENGTHS, DECODING_STEPS, decoding_problems
+from blockzoo_testing.parallel.jobs import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, CheckedCase, run_checks
+from blockzoo_testing.runs import (
     DEFAULT_HIDDEN_SIZE,
     DEFAULT_SEED,
     ConformanceError,
-    _build,
-    _decoding_problems,
-    _mismatch,
+    build,
     layer_inputs,
+    mismatch,
     run_layer,
     single_process,
 )
-from blockzoo_testing.parallel.jobs import DEFAULT_LENGTHS, DEFAULT_TOLERANCE, CheckedCase, run_checks
 
 
 def check_tensor_parallel(
@@ -161,17 +158,17 @@ def _check_parallel(job: _ParallelJob) -> None:
         sequence_parallel = layout(sequence_tensor_parallel=True) if needed else None
         for case in job.cases:
             label = f"{case.name}: tensor_parallel={size}"
-            reference = _build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
+            reference = build(case.implementation, case.config, job.hidden_size, single_process(job.seed))
             problems += _parallel_problems(job, case, distributed, reference, label)
             if case.sequence_tensor_parallel:
                 label_sequence = f"{label} with sequence_tensor_parallel"
                 problems += _parallel_problems(job, case, sequence_parallel, reference, label_sequence)
             if case.generation:
-                layer = _build(case.implementation, case.config, job.hidden_size, distributed)
-                found = _decoding_problems(
+                layer = build(case.implementation, case.config, job.hidden_size, distributed)
+                found = decoding_problems(
                     layer, reference, job.tolerance, DECODING_LENGTHS, DECODING_STEPS, torch.float32, seed=0
                 )
-                problems += [(f"{label}: {problem}", _DECODING_FIX) for problem in found]
+                problems += [(f"{label}: {problem}", DECODING_FIX) for problem in found]
         for refusal in job.refused:
             if problem := _refusal_problem(refusal, job.hidden_size, distributed):
                 problems.append((f"tensor_parallel={size}: {problem}", _REFUSAL_FIX))
@@ -188,7 +185,7 @@ def _parallel_problems(
     collectives."""
     fix = _SEQUENCE_PARALLEL_FIX if distributed.sequence_tensor_parallel else _TENSOR_PARALLEL_FIX
     try:
-        layer = _build(case.implementation, case.config, job.hidden_size, distributed)
+        layer = build(case.implementation, case.config, job.hidden_size, distributed)
     except Exception as error:  # noqa: BLE001
         return [(f"{label}: building the layer failed: {type(error).__name__}: {error}", fix)]
     group, rank = distributed.tensor_group, distributed.tensor_rank
@@ -208,7 +205,7 @@ def _parallel_problems(
         ("the output", found.output, own(expected.output)),
         ("the input gradient", found.input_grad, own(expected.input_grad)),
     ):
-        if problem := _mismatch(actual, wanted, job.tolerance, f"{label}: {what} on rank {rank}"):
+        if problem := mismatch(actual, wanted, job.tolerance, f"{label}: {what} on rank {rank}"):
             problems.append((f"{problem} from one process", fix))
     reference_parameters = dict(reference.named_parameters())
     names = [name for name, _ in layer.named_parameters()]
@@ -230,7 +227,7 @@ def _parallel_problems(
                 (f"{label}: the ranks' shards of {name!r} differ from the single-process weight", _SHARD_FIX)
             )
         elif name in expected.grads and (
-            problem := _mismatch(
+            problem := mismatch(
                 full_gradient, expected.grads[name], job.tolerance, f"{label}: the gradient of {name!r}"
             )
         ):
@@ -246,7 +243,7 @@ def _parallel_problems(
 def _refusal_problem(refusal: _Refusal, hidden_size: int, distributed: Distributed) -> str | None:
     what, pattern = refusal.label, refusal.pattern
     try:
-        _build(refusal.implementation, refusal.config, hidden_size, distributed)
+        build(refusal.implementation, refusal.config, hidden_size, distributed)
     except ValueError as error:
         return (
             None if re.search(pattern, str(error)) else f"{what} was refused with {error!r}, not matching {pattern!r}"
