@@ -39,8 +39,8 @@ from blockzoo.conversion import (
 )
 from blockzoo.model.config import ParallelBlockConfig
 from blockzoo_huggingface.format import HuggingfaceFormat
-from blockzoo_huggingface.formats_mamba2 import _untag_floats
 from blockzoo_huggingface.layouts import Layer, _layer_count, merge_layers
+from blockzoo_huggingface.mamba2_format_helpers import _untag_floats
 from blockzoo_huggingface.sections import rms_norm, transformer_model
 
 FORMAT = "falcon_h1"

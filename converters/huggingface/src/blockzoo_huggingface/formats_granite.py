@@ -22,8 +22,8 @@ from blockzoo.api import get_registry
 from blockzoo.conversion import Computed, ConversionError, Rename
 from blockzoo.model.config import ModelConfig
 from blockzoo_huggingface.format import HuggingfaceFormat
-from blockzoo_huggingface.formats_mamba2 import _check_types, _untag_floats, inner_size
 from blockzoo_huggingface.layouts import Layer, _layer_count, merge_layers
+from blockzoo_huggingface.mamba2_format_helpers import _check_types, _untag_floats, inner_size
 from blockzoo_huggingface.sections import decoder_block, rms_norm, transformer_model
 
 # layer_types names (transformers 5, and the 4.x names 5 still maps) -> the mixer's type.
