@@ -85,15 +85,16 @@ def relative_errors(lengths, key_heads, heads, key_size, value_size, with_initia
     return errors
 
 
-def check_cases(cases) -> list[str]:
-    """One line per case and quantity beyond its tolerance (nothing when all pass)."""
+def check_cases(cases, tolerance=None) -> list[str]:
+    """One line per case and quantity beyond its tolerance (nothing when all pass): `tolerance`, else the one of the
+    case's dtype."""
     failures = []
     for case in cases:
-        tolerance = BF16_TOLERANCE if case[6] == torch.bfloat16 else FP32_TOLERANCE
+        allowed = tolerance or (BF16_TOLERANCE if case[6] == torch.bfloat16 else FP32_TOLERANCE)
         errors = relative_errors(*case)
         print(f"{case}: max relative error {max(errors.values()):.2e}", flush=True)
-        failures += [f"{case}: {name} relative error {value:.2e} > {tolerance}" for name, value in errors.items()
-                     if not value <= tolerance]  # fmt: skip
+        failures += [f"{case}: {name} relative error {value:.2e} > {allowed}" for name, value in errors.items()
+                     if not value <= allowed]  # fmt: skip
     return failures
 
 
@@ -105,6 +106,12 @@ def run_under_interpreter(which: str) -> None:
 
 def test_the_kernels_match_the_float64_loop():
     run_under_interpreter("fast")
+
+
+def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
+    """With W, U, the chunks' states and the new values kept in bf16 between the kernels (`INTERMEDIATE_DTYPE`):
+    every case within the tolerance of bf16 inputs."""
+    run_under_interpreter("bf16-intermediates")
 
 
 @pytest.mark.slow
@@ -291,6 +298,11 @@ if __name__ == "__main__":
         # Blocks of 16 key channels: the cases' heads of 24 and 32 take two, the last partly past the head's end.
         triton_delta_rule.KEY_BLOCK = 16
         failures = check_cases(FAST_CASES)
+    elif sys.argv[1] == "bf16-intermediates":
+        from blockzoo_gated_delta_net import triton_delta_rule
+
+        triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
+        failures = check_cases(FAST_CASES, BF16_TOLERANCE)
     else:
         failures = check_cases(SLOW_CASES)
     if failures:

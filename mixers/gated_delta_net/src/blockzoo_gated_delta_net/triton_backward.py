@@ -170,7 +170,7 @@ def chunk_key_gradients(
         pointers, mask = _state_pointers(
             states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, key_offset
         )
-        state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        state = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
         pointers, mask = _state_pointers(
             state_gradients_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, key_offset
         )

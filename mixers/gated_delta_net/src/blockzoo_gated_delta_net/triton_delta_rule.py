@@ -5,7 +5,7 @@ per key head [tokens, key_heads, key_size]; v [tokens, value_heads, value_size];
 [tokens, value_heads]; the packed documents' cu_seqlens; optionally each document's initial state [documents,
 value_heads, key_size, value_size]. It returns (o in v's dtype, the final states in fp32); both are differentiable,
 and so are all inputs. Kernels: `triton_forward` and `triton_backward`. The forward keeps, for the backward, each
-chunk's starting state, T = (I + A)⁻¹, W and u in fp32 (the state pass is not recomputed).
+chunk's starting state, T = (I + A)⁻¹ (fp32), W and u (in INTERMEDIATE_DTYPE; the state pass is not recomputed).
 
 Imports triton: import this module only on CUDA or under TRITON_INTERPRET=1.
 """
@@ -45,6 +45,11 @@ CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
 WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
 VALUE_BLOCK = 32
 KEY_BLOCK = 64
+# The dtype of what the forward keeps between its kernels and for the backward: W, U, each chunk's state and the new
+# values u (every kernel computes in fp32 and carries the state in fp32 from chunk to chunk). fp32 is the more
+# accurate; bf16 halves the memory traffic of the sequential passes and of what reads the states (flash-linear-
+# attention keeps them in the inputs' dtype). `gdn_kernel.py --launches intermediates=bf16` times it.
+INTERMEDIATE_DTYPE = torch.float32
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
@@ -99,16 +104,17 @@ class TritonGatedDeltaRule(torch.autograd.Function):
 
         log_decay = torch.empty(tokens, heads, **fp32)
         inverse = torch.empty(chunks, heads, chunk_size, chunk_size, **fp32)
-        w = torch.empty(tokens, heads, key_size, **fp32)
-        u = torch.empty(tokens, heads, value_size, **fp32)
+        kept = {"dtype": INTERMEDIATE_DTYPE, "device": q.device}
+        w = torch.empty(tokens, heads, key_size, **kept)
+        u = torch.empty(tokens, heads, value_size, **kept)
         if chunks:
             prepare_chunks[(chunks, heads)](
                 k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
             )
 
         final = torch.empty(documents, heads, key_size, value_size, **fp32)
-        states = torch.empty(chunks, heads, key_size, value_size, **fp32)
-        new_values = torch.empty(tokens, heads, value_size, **fp32)
+        states = torch.empty(chunks, heads, key_size, value_size, **kept)
+        new_values = torch.empty(tokens, heads, value_size, **kept)
         cu_seqlens = cu_seqlens.to(torch.int32)
         has_initial = initial is not None
         initial_tensor = initial.contiguous() if has_initial else final  # not read without an initial state
@@ -141,7 +147,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         fp32 = {"dtype": torch.float32, "device": q.device}
         output_gradient = torch.zeros_like(v) if output_gradient is None else output_gradient.contiguous()
         has_final_gradient = final_gradient is not None
-        state_gradients = torch.empty_like(states)
+        state_gradients = torch.empty(states.shape, **fp32)
         new_value_gradients = torch.empty(tokens, heads, value_size, **fp32)
         initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
         if chunks:

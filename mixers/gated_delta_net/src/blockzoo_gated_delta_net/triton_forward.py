@@ -331,7 +331,7 @@ def chunk_outputs(
             states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0
         )
         # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
-        state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        state = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
         u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         output = tl.dot(decayed_q, state) + tl.dot(scores, u)
         _store_rows(
