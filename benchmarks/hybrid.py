@@ -1,8 +1,8 @@
 """Suite `hybrid`: a training step of a Gated DeltaNet + attention hybrid LM with Qwen3-Next's layers and its 3:1
 pattern, ours against transformers' `Qwen3NextForCausalLM`.
 
-    python benchmarks/hybrid.py [--cases 2x4096 4x4096 8x4096] [--ours SETTING ...] [--steps 6] [--warmup 3] [--json PATH]
-        [--tiny]
+    python benchmarks/hybrid.py [--cases 2x4096 4x4096 8x4096] [--ours SETTING ...] [--steps 6] [--warmup 3]
+        [--json PATH] [--tiny]
 
 The shape (HYBRID_1B, ~1.2B parameters): d 2048, 16 layers, every fourth gated attention (16 heads × 256, 2
 key-value heads, an output gate, q/k norms, rotary on a quarter of each head), the others Gated DeltaNet (16 key

@@ -40,7 +40,7 @@ SUITE = "mamba2"
 # 2x4096: the peer's 4x4096 step needs more than an 80 GB card holds.
 CASES = {"2x4096": (2, 4096), "4x4096": (4, 4096), "8x4096": (8, 4096), "layer": (8, 2048)}
 TINY_LENGTH = 32
-DEFAULT_OURS = dict.fromkeys(["2x4096", "4x4096", "8x4096"], ["compile=none", "compile=blocks"])
+DEFAULT_OURS = {case: ["compile=none", "compile=blocks"] for case in ("2x4096", "4x4096", "8x4096")}
 LAYER = shapes.Mamba2Shape(hidden=1024, layers=1, state=128, head_size=64, expand=2, vocab=0)
 LOSS_TOLERANCE = 1e-3
 
