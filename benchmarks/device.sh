@@ -90,6 +90,7 @@ for name in ("torch", "triton", "transformers", "mamba_ssm", "liger_kernel", "fl
     except m.PackageNotFoundError:
         print(name, "absent")' 2>&1
   git rev-parse HEAD 2>/dev/null || echo "no git checkout here"
+  git diff --quiet HEAD 2>/dev/null || echo "(tracked files differ from that commit)"
 } >"$OUT/environment.txt"
 cat "$OUT/environment.txt"
 

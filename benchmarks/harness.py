@@ -328,15 +328,20 @@ def versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
-    try:
-        completed = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPOSITORY, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
+    """The checkout's commit, "+changes" after it when tracked files differ from it (the GPU machine's copy of the
+    working tree may sit on an older copy of the history)."""
+
+    def git(*arguments: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", *arguments], cwd=REPOSITORY, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
         return None
-    if completed.returncode != 0:
-        return None
-    return completed.stdout.strip() or None
+    changed = git("diff", "--quiet", "HEAD")
+    return head.stdout.strip() + ("+changes" if changed is not None and changed.returncode == 1 else "")
 
 
 def device_name(device: torch.device) -> str:
