@@ -14,9 +14,9 @@ S' = e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u, the gradients dO and dS' give:
   sums; every such term is a sum over key channels). Blocks of key channels keep its tiles small: with whole key
   heads of 128 one program needed most of a multiprocessor's shared memory and its loads could not overlap.
 - `chunk_wy_gradients` (one program per chunk and value head, all chunks at once, after it; key channels in blocks
-  too): through the WY factors,
-  dU = du, dT = dU (βV)ᵀ + dW (β e^b K)ᵀ and dA = −Tᵀ dT Tᵀ (below the diagonal), the gradients of v and β, k's
-  remaining part, and dg = the reverse cumulative sum within the chunk of db (the key blocks' parts and its own).
+  too): through the WY factors, dU = du, dT = dU (βV)ᵀ + dW (β e^b K)ᵀ and dA = −Tᵀ dT Tᵀ (below the diagonal), the
+  gradients of v and β, k's remaining part, and dg = the reverse cumulative sum within the chunk of db (the key
+  blocks' parts and its own).
 """
 
 import triton
@@ -126,6 +126,12 @@ def pass_state_gradients(
 
 
 @triton.jit
+def _key_block_part(pointer, key_block, total_tokens, heads):
+    """Key block `key_block`'s [tokens, heads] part of the decays' gradient in a [key_blocks, tokens, heads] tensor."""
+    return pointer + tl.cast(key_block, tl.int64) * total_tokens * heads
+
+
+@triton.jit
 def chunk_key_gradients(
     q_pointer,
     k_pointer,
@@ -205,7 +211,7 @@ def chunk_key_gradients(
     _store_rows(q_gradient_pointer, q_gradient, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
     _store_rows(k_gradient_pointer, k_gradient, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
     _store_rows(w_gradient_pointer, w_gradient, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
-    block_part = b_gradient_pointer + key_block.to(tl.int64) * total_tokens * heads
+    block_part = _key_block_part(b_gradient_pointer, key_block, total_tokens, heads)
     _store_head_values(block_part, b_gradient, tokens, valid, heads, head)
 
 
@@ -226,7 +232,6 @@ def chunk_wy_gradients(
     beta_gradient_pointer,  # out: [tokens, heads] fp32
     g_gradient_pointer,  # out: [tokens, heads] fp32
     total_tokens,
-    key_blocks,
     heads,
     key_heads,
     key_size,
@@ -272,9 +277,12 @@ def chunk_wy_gradients(
     products_gradient = lower_gradient * beta[:, None] * strict
     through_lower = products_gradient * key_products
     b_gradient = tl.sum(through_lower, 1) - tl.sum(through_lower, 0)
-    # k's gradient through W and A, a block of key channels at a time, added to `chunk_key_gradients`' part.
+    # k's gradient through W and A, a block of key channels at a time, added to `chunk_key_gradients`' part; that
+    # kernel's parts of db.
     through_weights = tl.zeros([CHUNK], dtype=tl.float32)
     for key_offset in range(0, key_size, BLOCK_K):
+        block_part = _key_block_part(b_gradient_pointer, key_offset // BLOCK_K, total_tokens, heads)
+        b_gradient += _load_head_values(block_part, tokens, valid, heads, head)
         k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)
         w_gradient = _load_rows(w_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
         weighted_k_gradient = tl.dot(tl.trans(inverse), w_gradient)
@@ -286,9 +294,6 @@ def chunk_wy_gradients(
     through_weights *= decay
     beta_gradient += through_weights
     b_gradient += beta * through_weights
-    for key_block in range(0, key_blocks):
-        block_part = b_gradient_pointer + tl.cast(key_block, tl.int64) * total_tokens * heads
-        b_gradient += _load_head_values(block_part, tokens, valid, heads, head)
     # b = cumsum(g): dg_s = Σ_{t >= s} db_t.
     g_gradient = tl.sum(tl.where(rows[:, None] <= rows[None, :], b_gradient[None, :], 0.0), 1)
 

@@ -180,7 +180,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
             )  # fmt: skip
             chunk_wy_gradients[(chunks, heads)](
                 k, v, beta, log_decay, inverse, new_value_gradients, w_gradient, b_gradient_parts, starts, ends,
-                k_gradient, v_gradient, beta_gradient, g_gradient, tokens, key_blocks, **sizes,
+                k_gradient, v_gradient, beta_gradient, g_gradient, tokens, **sizes,
                 **(blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
             )  # fmt: skip
         group = heads // key_heads
