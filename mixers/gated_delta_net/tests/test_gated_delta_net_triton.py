@@ -22,7 +22,9 @@ from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter
 FAST_CASES = [
     ((5, 3), 1, 1, 16, 16, True, torch.float32),
     ((0, 0, 7), 1, 2, 16, 16, True, torch.float32),  # empty documents first, as padded batches have
-    ((1, 66, 9), 2, 4, 32, 32, False, torch.float32),  # grouped heads; a document crossing a chunk's end
+    # Grouped heads; a document crossing a chunk's end, with weak decays (at most 0.05 a token): the chunk's rows
+    # still reach one another across its 64 tokens, so every 16-row block of T = (I + A)⁻¹ weighs.
+    ((1, 66, 9), 2, 4, 32, 32, False, torch.float32, 0.05),
     ((37, 1), 1, 2, 24, 16, True, torch.bfloat16),  # a key head size that is no power of two
     # Strong decays (log decays down to -4 a token): a chunk's cumulative decay passes e^-88 within the document,
     # so the chunk's rows past the document's end must not decay from zero (e^{b_t - b_s} would overflow there).
@@ -114,6 +116,11 @@ def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
     run_under_interpreter("bf16-intermediates")
 
 
+def test_the_kernels_inverting_in_place_match_the_float64_loop():
+    """With each chunk's I + A inverted over A stored in memory (`INVERSION = "in_place"`) instead of in registers."""
+    run_under_interpreter("in-place-inversion")
+
+
 @pytest.mark.slow
 def test_the_kernels_match_the_float64_loop_over_several_chunks():
     run_under_interpreter("slow")
@@ -155,11 +162,12 @@ BF16_ARGUMENTS = ("q", "k", "v", "beta", "output", "output_gradient", "v_gradien
 INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
 
 
-def shared_memory_on_hopper(kernel, options, block_k=None) -> int:
+def shared_memory_on_hopper(kernel, options, block_k=None, in_registers=True) -> int:
     """The shared memory `kernel` needs per block compiled for sm_90 (no GPU needed: Triton compiles for a named
     target) with the largest blocks the launches use: 128 key channels, 32 value channels, chunks of 64; bf16 inputs;
     `options` the launch's (num_warps, num_stages); `block_k` the kernel's block of key channels where it takes
-    them in blocks. Arguments are declared divisible by 16, as the launches' are."""
+    them in blocks; `in_registers` how `prepare_chunks` inverts. Arguments are declared divisible by 16, as the
+    launches' are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -167,7 +175,7 @@ def shared_memory_on_hopper(kernel, options, block_k=None) -> int:
     from blockzoo_gated_delta_net.triton_delta_rule import CHUNK_SIZE, MAX_KEY_SIZE
 
     constants = {"GROUP": 1, "CHUNK": CHUNK_SIZE, "BLOCK_K": block_k or MAX_KEY_SIZE, "BLOCK_V": 32}
-    constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True}
+    constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True, "IN_REGISTERS": in_registers}
     signature = {}
     for name in kernel.arg_names:
         stem = name.removesuffix("_pointer")
@@ -196,7 +204,8 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
         chunk_wy_gradients,
         pass_state_gradients,
     )
-    from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
+    from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states
+    from blockzoo_gated_delta_net.triton_prepare import prepare_chunks
 
     kernels = {
         "prepare_chunks": (prepare_chunks, launches.PREPARE_OPTIONS),
@@ -211,6 +220,7 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
         ("chunk_wy_gradients", chunk_wy_gradients, launches.WY_GRADIENT_OPTIONS),
     ):
         needs[name] = shared_memory_on_hopper(kernel, options, launches.KEY_BLOCK)
+    needs["prepare_chunks, in place"] = shared_memory_on_hopper(prepare_chunks, launches.PREPARE_OPTIONS, None, False)
     print(needs)
     assert all(0 < need <= HOPPER_SHARED_MEMORY for need in needs.values()), needs
     # The sequential passes run two programs to a multiprocessor (each block also reserves 1 KiB).
@@ -303,6 +313,11 @@ if __name__ == "__main__":
 
         triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
         failures = check_cases(FAST_CASES, BF16_TOLERANCE)
+    elif sys.argv[1] == "in-place-inversion":
+        from blockzoo_gated_delta_net import triton_delta_rule
+
+        triton_delta_rule.INVERSION = "in_place"
+        failures = check_cases(FAST_CASES)
     else:
         failures = check_cases(SLOW_CASES)
     if failures:

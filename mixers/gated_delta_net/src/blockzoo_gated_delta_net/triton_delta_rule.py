@@ -21,7 +21,8 @@ from blockzoo_gated_delta_net.triton_backward import (
     chunk_wy_gradients,
     pass_state_gradients,
 )
-from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states, prepare_chunks
+from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states
+from blockzoo_gated_delta_net.triton_prepare import prepare_chunks
 
 CHUNK_SIZE = 64
 # Head sizes the kernels take: the forward's kernels hold a whole key head in one block (tl.dot wants >= 16 channels);
@@ -50,6 +51,9 @@ KEY_BLOCK = 64
 # accurate; bf16 halves the memory traffic of the sequential passes and of what reads the states (flash-linear-
 # attention keeps them in the inputs' dtype). `gdn_kernel.py --launches intermediates=bf16` times it.
 INTERMEDIATE_DTYPE = torch.float32
+# How `prepare_chunks` inverts each chunk's I + A: "registers" (its 16-row blocks held in registers) or "in_place"
+# (over A stored in T's memory). `gdn_kernel.py --launches inversion=in_place` times the other.
+INVERSION = "registers"
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
@@ -109,8 +113,9 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         u = torch.empty(tokens, heads, value_size, **kept)
         if chunks:
             prepare_chunks[(chunks, heads)](
-                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
-            )
+                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks,
+                IN_REGISTERS=INVERSION == "registers", **PREPARE_OPTIONS,
+            )  # fmt: skip
 
         final = torch.empty(documents, heads, key_size, value_size, **fp32)
         states = torch.empty(chunks, heads, key_size, value_size, **kept)

@@ -3,10 +3,9 @@
 Three kernels, over packed documents cut into chunks of CHUNK tokens (a document's last chunk may be shorter; its
 missing rows read k = v = β = 0 and g = 0, so they change nothing):
 
-- `prepare_chunks` (one program per chunk and value head, all chunks at once): the within-chunk log decays
-  b = cumsum(g), the strictly lower A[t, s] = β_t (k_t·k_s) e^{b_t − b_s}, its inverse T = (I + A)⁻¹ by forward
-  substitution (exact for the unit lower-triangular system, no matrix powers that lose precision; in blocks of 16
-  rows, `_invert_in_place`), and the WY factors W = T (β e^b K), U = T (β V).
+- `prepare_chunks` (`triton_prepare`; one program per chunk and value head, all chunks at once): the within-chunk
+  log decays b = cumsum(g), A[t, s] = β_t (k_t·k_s) e^{b_t − b_s} below the diagonal, T = (I + A)⁻¹ and the WY
+  factors W = T (β e^b K), U = T (β V).
 - `pass_states` (one program per document, value head and block of value channels; the only sequential part, kept
   to the least that depends on the previous chunk): from the document's initial state S, chunk after chunk,
   u = U − W S and S ← e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u. It keeps each chunk's starting state and u.
@@ -90,99 +89,6 @@ def _inverse_pointers(pointer, chunk, heads, head, CHUNK: tl.constexpr):
     rows = tl.arange(0, CHUNK)
     base = (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
     return pointer + base + rows[:, None] * CHUNK + rows[None, :]
-
-
-# The rows of the diagonal blocks that `_invert_in_place` inverts by substitution (tl.dot's smallest tile).
-SUBSTITUTION_BLOCK = tl.constexpr(16)
-
-
-@triton.jit
-def _block_pointers(pointer, row_block, column_block, CHUNK: tl.constexpr):
-    """Pointers of the [SUBSTITUTION_BLOCK, SUBSTITUTION_BLOCK] block (row_block, column_block) of a row-major
-    [CHUNK, CHUNK] matrix."""
-    SUB: tl.constexpr = SUBSTITUTION_BLOCK
-    rows = tl.arange(0, SUB)
-    return pointer + (row_block * SUB + rows[:, None]) * CHUNK + column_block * SUB + rows[None, :]
-
-
-@triton.jit
-def _invert_in_place(pointer, CHUNK: tl.constexpr):
-    """T = (I + A)⁻¹ written over the strictly lower A at `pointer` ([CHUNK, CHUNK], row-major), exactly as forward
-    substitution makes it (no matrix powers that lose precision) but in blocks of 16 rows: first every diagonal block
-    at once, row by row, T_ii[r] = e_r − Σ_{s<r} A_ii[r, s] T_ii[s]; then the blocks below the diagonal, block row by
-    block row, T_ij = −T_ii Σ_{j<=m<i} A_im T_mj (products in full fp32). A row of blocks is written left to right
-    over A's, which only the blocks to its right still read. The caller has stored A and passed a barrier."""
-    SUB: tl.constexpr = SUBSTITUTION_BLOCK
-    BLOCKS: tl.constexpr = CHUNK // SUB
-    block = tl.arange(0, BLOCKS)[:, None, None]
-    rows = tl.arange(0, SUB)[None, :, None]
-    columns = tl.arange(0, SUB)[None, None, :]
-    diagonal = pointer + (block * SUB + rows) * CHUNK + block * SUB + columns
-    lower = tl.load(diagonal)
-    inverse = tl.zeros([BLOCKS, SUB, SUB], dtype=tl.float32)
-    for r in range(SUB):
-        a_row = tl.sum(tl.where(rows == r, lower, 0.0), 1)  # [BLOCKS, SUB]: row r of each diagonal block
-        new_row = tl.where(columns == r, 1.0, 0.0) - tl.sum(a_row[:, :, None] * inverse, 1)[:, None, :]
-        inverse = tl.where(rows == r, new_row, inverse)
-    tl.store(diagonal, inverse)
-    tl.debug_barrier()
-    for i in tl.static_range(1, BLOCKS):
-        diagonal_inverse = tl.load(_block_pointers(pointer, i, i, CHUNK))
-        for j in tl.static_range(0, i):
-            total = tl.zeros([SUB, SUB], dtype=tl.float32)
-            for m in tl.static_range(j, i):
-                a = tl.load(_block_pointers(pointer, i, m, CHUNK))
-                t = tl.load(_block_pointers(pointer, m, j, CHUNK))
-                total += tl.dot(a, t, input_precision="ieee")
-            tl.debug_barrier()
-            tl.store(_block_pointers(pointer, i, j, CHUNK), -tl.dot(diagonal_inverse, total, input_precision="ieee"))
-            tl.debug_barrier()
-
-
-@triton.jit
-def prepare_chunks(
-    k_pointer,
-    v_pointer,
-    g_pointer,
-    beta_pointer,
-    chunk_start_pointer,
-    chunk_end_pointer,
-    log_decay_pointer,  # out: b [tokens, heads] fp32
-    inverse_pointer,  # out: T [chunks, heads, CHUNK, CHUNK] fp32
-    w_pointer,  # out: W [tokens, heads, key_size] fp32
-    u_pointer,  # out: U [tokens, heads, value_size] fp32
-    heads,
-    key_heads,
-    key_size,
-    value_size,
-    GROUP: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    chunk, head = tl.program_id(0), tl.program_id(1)
-    tokens, valid, _ = _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK)
-    k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-    g = _load_head_values(g_pointer, tokens, valid, heads, head)
-    beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
-    b = tl.cumsum(g, 0)
-    _store_head_values(log_decay_pointer, b, tokens, valid, heads, head)
-
-    lower = beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK)
-    # T = (I + A)⁻¹ is made in its place in memory, where the backward reads it.
-    inverse_pointers = _inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK)
-    tl.store(inverse_pointers, lower)
-    tl.debug_barrier()
-    _invert_in_place(inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK, CHUNK)
-    inverse = tl.load(inverse_pointers)
-
-    w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
-    _store_rows(w_pointer, w, tokens, valid, heads, head, key_size, BLOCK_K, 0)
-    for offset in range(0, value_size, BLOCK_V):
-        v = _load_rows(v_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        _store_rows(
-            u_pointer, tl.dot(inverse, v * beta[:, None]), tokens, valid, heads, head, value_size, BLOCK_V, offset
-        )
 
 
 @triton.jit
