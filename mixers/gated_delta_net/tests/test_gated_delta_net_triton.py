@@ -34,6 +34,9 @@ SLOW_CASES = [((70, 1, 130, 64), 2, 4, 32, 16, True, torch.float32)]
 FP32_TOLERANCE = 1e-5
 # bf16 q, k, v and β (the reference sees the same rounded values); the output is rounded to bf16.
 BF16_TOLERANCE = 1e-2
+# With what the kernels keep between them in bf16 too (`INTERMEDIATE_DTYPE`): each gradient passes through two or
+# three bf16 roundings (u, du, the states and their gradients), each up to 2⁻⁸ relative.
+BF16_INTERMEDIATES_TOLERANCE = 2e-2
 NAMES = ("q", "k", "v", "g", "beta", "initial")
 
 
@@ -111,8 +114,8 @@ def test_the_kernels_match_the_float64_loop():
 
 
 def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
-    """With W, U, the chunks' states and the new values kept in bf16 between the kernels (`INTERMEDIATE_DTYPE`):
-    every case within the tolerance of bf16 inputs."""
+    """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in bf16
+    (`INTERMEDIATE_DTYPE`): every case within BF16_INTERMEDIATES_TOLERANCE."""
     run_under_interpreter("bf16-intermediates")
 
 
@@ -312,7 +315,7 @@ if __name__ == "__main__":
         from blockzoo_gated_delta_net import triton_delta_rule
 
         triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
-        failures = check_cases(FAST_CASES, BF16_TOLERANCE)
+        failures = check_cases(FAST_CASES, BF16_INTERMEDIATES_TOLERANCE)
     elif sys.argv[1] == "in-place-inversion":
         from blockzoo_gated_delta_net import triton_delta_rule
 

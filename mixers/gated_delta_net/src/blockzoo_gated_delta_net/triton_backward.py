@@ -180,7 +180,7 @@ def chunk_key_gradients(
         pointers, mask = _state_pointers(
             state_gradients_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, key_offset
         )
-        state_gradient = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        state_gradient = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
         u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         du = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         do = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)

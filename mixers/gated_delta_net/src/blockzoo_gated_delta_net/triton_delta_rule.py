@@ -46,10 +46,11 @@ CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
 WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
 VALUE_BLOCK = 32
 KEY_BLOCK = 64
-# The dtype of what the forward keeps between its kernels and for the backward: W, U, each chunk's state and the new
-# values u (every kernel computes in fp32 and carries the state in fp32 from chunk to chunk). fp32 is the more
-# accurate; bf16 halves the memory traffic of the sequential passes and of what reads the states (flash-linear-
-# attention keeps them in the inputs' dtype). `gdn_kernel.py --launches intermediates=bf16` times it.
+# The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
+# the backward's gradients of each chunk's state and of u (every kernel computes in fp32 and carries the state and
+# its gradient in fp32 from chunk to chunk). fp32 is the more accurate; bf16 halves the memory traffic of the
+# sequential passes and of what reads the states (flash-linear-attention keeps them in the inputs' dtype).
+# `gdn_kernel.py --launches intermediates=bf16` times it.
 INTERMEDIATE_DTYPE = torch.float32
 # How `prepare_chunks` inverts each chunk's I + A: "registers" (its 16-row blocks held in registers) or "in_place"
 # (over A stored in T's memory). `gdn_kernel.py --launches inversion=in_place` times the other.
@@ -152,8 +153,9 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         fp32 = {"dtype": torch.float32, "device": q.device}
         output_gradient = torch.zeros_like(v) if output_gradient is None else output_gradient.contiguous()
         has_final_gradient = final_gradient is not None
-        state_gradients = torch.empty(states.shape, **fp32)
-        new_value_gradients = torch.empty(tokens, heads, value_size, **fp32)
+        kept = {"dtype": states.dtype, "device": q.device}  # the forward's INTERMEDIATE_DTYPE
+        state_gradients = torch.empty(states.shape, **kept)
+        new_value_gradients = torch.empty(tokens, heads, value_size, **kept)
         initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
         if chunks:
             chunk_new_value_gradients[(chunks, heads)](
