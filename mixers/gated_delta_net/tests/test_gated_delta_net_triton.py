@@ -15,7 +15,7 @@ import pytest
 import torch
 from gated_delta_net_reference import delta_rule_loop
 
-from blockzoo_testing.triton_interpreter import patch_for_numpy, run_interpreter_cases
+from blockzoo_testing.triton_interpreter import patch_bf16_dots, patch_for_numpy, run_interpreter_cases
 
 # (lengths, key_heads, value_heads, key_size, value_size, with initial states, dtype[, the largest log decay's
 # magnitude, 0.5 by default]). Chunks of 64 tokens.
@@ -303,6 +303,7 @@ def check_layer() -> list[str]:
 
 if __name__ == "__main__":
     patch_for_numpy()
+    patch_bf16_dots()
     if sys.argv[1] == "layer":
         failures = check_layer()
     elif sys.argv[1] == "fast":

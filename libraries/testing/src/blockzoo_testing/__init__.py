@@ -36,7 +36,7 @@
   `logged_figures(output_dir, names)` (its `metrics.jsonl` by step; `DETERMINISTIC` names the figures two runs share).
 - A plugin's Triton kernels on a machine without a GPU (`blockzoo_testing.triton_interpreter`):
   `run_interpreter_cases(test_file, *arguments)` runs the test file's cases under Triton's interpreter in a
-  subprocess, which calls `patch_for_numpy()` first.
+  subprocess, which calls `patch_for_numpy()` first (and `patch_bf16_dots()` where its kernels take bf16 dots).
 
 The names load on first access: importing this package imports no torch (pytest loads `blockzoo_testing.pytest_plugin`
 in every run of an environment where blockzoo is installed).
@@ -95,6 +95,7 @@ _LAZY = {
     "tiny_run_config": "blockzoo_testing.tracking",
     "train_killed_at": "blockzoo_testing.tracking",
     "train_tiny": "blockzoo_testing.tracking",
+    "patch_bf16_dots": "blockzoo_testing.triton_interpreter",
     "patch_for_numpy": "blockzoo_testing.triton_interpreter",
     "run_interpreter_cases": "blockzoo_testing.triton_interpreter",
 }

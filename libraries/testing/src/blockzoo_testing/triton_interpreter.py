@@ -31,6 +31,28 @@ def patch_for_numpy() -> None:
     interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
 
 
+def patch_bf16_dots() -> None:
+    """Triton's interpreter keeps bfloat16 values as their uint16 bit patterns, and its `tl.dot` multiplies those
+    (triton-lang/triton#11584, not supported upstream): bfloat16 operands are widened to float32 first. The widening
+    is exact and the GPU's products of bf16 values are exact in its fp32 accumulator, so a kernel's bf16 dots are
+    checked for what the GPU computes."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(operand):
+        if operand.dtype != tl.bfloat16:
+            return operand
+        return interpreter.TensorHandle((operand.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_of_widened(self, a, b, *arguments):
+        return create_dot(self, widened(a), widened(b), *arguments)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_of_widened
+
+
 def run_interpreter_cases(
     test_file: str, *arguments: str, overflow_is_error: bool = False, timeout: float = 900
 ) -> None:

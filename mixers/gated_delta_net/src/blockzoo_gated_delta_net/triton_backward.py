@@ -27,6 +27,7 @@ from blockzoo_gated_delta_net.triton_forward import (
     _chunk_scores,
     _decay_ratio,
     _document_chunks,
+    _dot,
     _inverse_pointers,
     _load_head_values,
     _load_log_decays,
@@ -65,7 +66,7 @@ def chunk_new_value_gradients(
     )  # fmt: skip
     for offset in range(0, value_size, BLOCK_V):
         output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        within = tl.dot(tl.trans(scores), output_gradient)
+        within = _dot(tl.trans(scores), output_gradient, new_value_gradients_pointer.dtype.element_ty)
         _store_rows(new_value_gradients_pointer, within, tokens, valid, heads, head, value_size, BLOCK_V, offset)
 
 
@@ -99,6 +100,7 @@ def pass_state_gradients(
         final_gradient_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset,
         HAS_FINAL_GRADIENT,
     )  # fmt: skip
+    kept: tl.constexpr = state_gradients_pointer.dtype.element_ty
     for step in range(0, last_chunk - first_chunk):
         chunk = last_chunk - 1 - step
         _store_state(
@@ -111,14 +113,14 @@ def pass_state_gradients(
         q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
         output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         within = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        new_value_gradient = within + tl.dot(k * to_end[:, None], gradient)
+        new_value_gradient = within + _dot(k * to_end[:, None], gradient, kept)
         _store_rows(
             new_value_gradients_pointer, new_value_gradient, tokens, valid, heads, head, value_size, BLOCK_V, offset
         )
         gradient = (
-            tl.dot(tl.trans(q * tl.exp(b)[:, None]), output_gradient)
+            _dot(tl.trans(q * tl.exp(b)[:, None]), output_gradient, kept)
             + tl.exp(b_last) * gradient
-            - tl.dot(tl.trans(w), new_value_gradient)
+            - _dot(tl.trans(w), new_value_gradient, kept)
         )
     _store_state(
         initial_gradient_pointer, gradient, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset
@@ -171,6 +173,7 @@ def chunk_key_gradients(
     w_gradient = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # −du Sᵀ
     scores_gradient = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dP = dO uᵀ
     state_product = tl.sum(tl.zeros([CHUNK], dtype=tl.float32), 0)  # Σ S ⊙ dS'
+    kept: tl.constexpr = states_pointer.dtype.element_ty
     for offset in range(0, value_size, BLOCK_V):
         # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
         pointers, mask = _state_pointers(
@@ -184,10 +187,10 @@ def chunk_key_gradients(
         u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         du = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         do = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        q_state_gradient += tl.dot(do, tl.trans(state))
-        scores_gradient += tl.dot(do, tl.trans(u))
-        k_state_gradient += tl.dot(u, tl.trans(state_gradient))
-        w_gradient -= tl.dot(du, tl.trans(state))
+        q_state_gradient += _dot(do, tl.trans(state), kept)
+        scores_gradient += _dot(do, tl.trans(u), kept)
+        k_state_gradient += _dot(u, tl.trans(state_gradient), kept)
+        w_gradient -= _dot(du, tl.trans(state), kept)
         state_product += tl.sum(tl.sum(state * state_gradient, 1), 0)
 
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)

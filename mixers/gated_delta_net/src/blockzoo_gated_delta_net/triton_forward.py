@@ -58,6 +58,13 @@ def _store_rows(pointer, value, tokens, valid, heads, head, size, BLOCK: tl.cons
 
 
 @triton.jit
+def _dot(a, b, dtype: tl.constexpr):
+    """a b with both operands in `dtype`, that of the intermediates the kernels keep (fp32: TF32 products, tl.dot's
+    default; bf16: flash-linear-attention's choice), accumulated in fp32."""
+    return tl.dot(a.to(dtype), b.to(dtype))
+
+
+@triton.jit
 def _decay_ratio(b, STRICT: tl.constexpr, CHUNK: tl.constexpr):
     """Γ[t, s] = e^{b_t − b_s} for s < t (STRICT) or s <= t, zero elsewhere (masked before the exp: above the
     diagonal the difference may overflow)."""
@@ -181,6 +188,7 @@ def pass_states(
     state = _load_state(
         initial_pointer, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, HAS_INITIAL
     )
+    kept: tl.constexpr = new_values_pointer.dtype.element_ty
     for chunk in range(first_chunk, last_chunk):
         _store_state(states_pointer, state, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
         tokens, valid, k, w, _, b_last, to_end = _read_chunk(
@@ -188,9 +196,9 @@ def pass_states(
             key_size, GROUP, CHUNK, BLOCK_K,
         )  # fmt: skip
         u = _load_rows(u_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        u = u - tl.dot(w, state)
+        u = u - _dot(w, state, kept)
         _store_rows(new_values_pointer, u, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        state = tl.exp(b_last) * state + tl.dot(tl.trans(k * to_end[:, None]), u)
+        state = tl.exp(b_last) * state + _dot(tl.trans(k * to_end[:, None]), u, kept)
     _store_state(final_pointer, state, document, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset)
 
 
@@ -232,6 +240,7 @@ def chunk_outputs(
         q_pointer, k_pointer, log_decay_pointer, chunk_start_pointer, chunk_end_pointer, chunk, heads, key_heads,
         head, key_size, GROUP, CHUNK, BLOCK_K,
     )  # fmt: skip
+    kept: tl.constexpr = new_values_pointer.dtype.element_ty
     for offset in range(0, value_size, BLOCK_V):
         pointers, mask = _state_pointers(
             states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0
@@ -239,7 +248,7 @@ def chunk_outputs(
         # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
         state = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
         u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        output = tl.dot(decayed_q, state) + tl.dot(scores, u)
+        output = _dot(decayed_q, state, kept) + _dot(scores, u, kept)
         _store_rows(
             output_pointer, output.to(output_pointer.dtype.element_ty), tokens, valid, heads, head, value_size,
             BLOCK_V, offset,
