@@ -21,7 +21,7 @@ fused AdamW; ours: compute_dtype bf16, our AdamW. Parameter counts are asserted 
 MFU = tokens/s × (6·N + 12·layers·heads·head_size·length) / 989 TFLOP/s.
 
 Ours runs in each `--ours` setting (`compile=blocks,recompute=selective`...; see benchmarks/ours.py); the default
-settings and peers of each case are in DEFAULTS. Targets (issue 11): ours ≥ 1.15× liger's tokens/s at ≤ its peak
+settings and peers of each case are in DEFAULTS. Targets: ours ≥ 1.15× liger's tokens/s at ≤ its peak
 memory at 4×4096 and 8×4096, ahead of compiled transformers; 16×4096 fits.
 """
 

@@ -17,7 +17,7 @@ The layer case is mixers/mamba_2/benchmarks/mamba2_layer.py's (8 documents of 20
 autocast; TFLOP/s are our layer's FLOP count for both; the outputs are compared (relative L2 difference).
 
 The SSD kernels' first call autotunes (76 s on the H200 with every config): `BLOCKZOO_SSD_AUTOTUNE` (unset: 2
-configs per kernel) bounds it for both contenders, which share mamba_ssm's kernels. Targets (issue 11): LM ≥ 1.3×
+configs per kernel) bounds it for both contenders, which share mamba_ssm's kernels. Targets: LM ≥ 1.3×
 the peer's tokens/s at ≤ 0.6× its memory, 8×4096 fits; layer ≥ 1.0×.
 """
 

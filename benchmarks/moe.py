@@ -17,7 +17,7 @@ Triton MoE, applied the documented way: `apply_liger_kernel_to_mixtral` / `apply
 defaults, undone after). Our weights are copied into each block and its output compared to ours (relative L2 difference:
 the routers' top-k may differ on near ties, ours routes in fp32); parameter counts asserted equal. TFLOP/s on the active
 experts (`shapes.moe_layer_flops`).
-Target (issue 11): ours ≥ 1.3× the fastest peer at each shape.
+Target: ours ≥ 1.3× the fastest peer at each shape.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ bare step (build, `parallelize`, optimizer, loss, backward, step; no data pipeli
 under `cuda_graphs=true` its loss and backward pass replayed as one CUDA graph, as the Trainer's) on
 random tokens of the same shape, one document per row in both (the Trainer's random dataset told so). Both take
 their model from the same seed. MFU as the Trainer reports it: the
-layers' own FLOP counts over 989 TFLOP/s. Targets (issue 11): Trainer overhead ≤ 3% of the bare step (speed ratio
+layers' own FLOP counts over 989 TFLOP/s. Targets: Trainer overhead ≤ 3% of the bare step (speed ratio
 ≥ 0.97); gpu_hybrid's MFU through the Trainer ≥ 21% (2× the 10.5% measured on 2026-11-30).
 """
 

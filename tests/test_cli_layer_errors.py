@@ -1,4 +1,4 @@
-"""Item 9 of issue 19: a plugin's layer that raises while it is built or run, or returns a tensor of the wrong
+"""A plugin's layer that raises while it is built or run, or returns a tensor of the wrong
 shape, makes `blockzoo train` print one message naming the plugin (its distribution), the layer's path and the
 error, with exit code 2 and no traceback; `--traceback` or BLOCKZOO_TRACEBACK=1 shows the traceback.
 

@@ -1,4 +1,4 @@
-"""Issue 19 item 14: every error message the `blockzoo` command can reach, through the real command: exit code 2,
+"""Every error message the `blockzoo` command can reach, through the real command: exit code 2,
 no traceback, a short message (`blockzoo: error: ...`, at most a few lines) naming what is wrong.
 
 The cases cover each kind of site: argparse (unknown command or flag, a bad or missing value), reading the config

@@ -1,4 +1,4 @@
-"""Issue 19 items 12, 13, 15 and 16, through the `blockzoo` command as a user runs it: what a run says at start
+"""Through the `blockzoo` command as a user runs it: what a run says at start
 (parameters per kind of layer, tokens per step, output directory, resume or nothing to do), its step lines (the
 last step logged below log_interval, MoE losses summed per kind), its metrics file (checked against the in-process
 trainer's own records; truncated on resume), the progress bar on a terminal only, `blockzoo plot`, and a type

@@ -1,4 +1,4 @@
-"""Hostile configs (issue 16, items 1-5): every bad input is a `ConfigError` naming the field and what was expected,
+"""Hostile configs: every bad input is a `ConfigError` naming the field and what was expected,
 and through the `blockzoo` command exit code 2 without a traceback.
 
 1. keys that are not strings (YAML reads `on`/`off`/`yes`/`no` as booleans, `1` as an int);

@@ -19,7 +19,7 @@ from blockzoo.model.config import ModelConfig
 from blockzoo.run_config import RunConfig
 
 DOCS = Path(__file__).parents[1] / "docs" / "models.md"
-# The catalogue the issue asks for, by family.
+# The named architectures the catalogue must have, by family.
 REQUIRED = {
     "llama3_2_1b", "llama3_2_3b", "llama3_1_8b",
     "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "qwen3_30b_a3b",

@@ -1,4 +1,4 @@
-"""Every first-party layer resumes bit-exactly (issue 16, item 12): the random states a run keeps (torch's generators
+"""Every first-party layer resumes bit-exactly: the random states a run keeps (torch's generators
 and every torch.Generator a module holds, the MoE router jitter's) are saved with its checkpoints and restored.
 Cross-distribution (attention, mamba, mamba_2, discrete_mamba_2, mlp, moe): it runs in `tests(all)`; the checkpoint
 reliability tests of the core alone are core/tests/test_checkpoint_reliability.py."""

@@ -1,4 +1,4 @@
-"""Checkpoints under hostile conditions (issue 16, items 6-13): a full disk, stop signals, interrupted pruning, a
+"""Checkpoints under hostile conditions: a full disk, stop signals, interrupted pruning, a
 corrupted or edited latest checkpoint, silent corruption, exact random states, non-finite weights and logits; and a
 kill test (SIGKILL at random moments during saves and pruning)."""
 

@@ -1,4 +1,4 @@
-"""Issue 19 item 16: an update that gives a part another `type` keeps the part's explicit fields that the new type
+"""An update that gives a part another `type` keeps the part's explicit fields that the new type
 also has (the new type's defaults for the rest, the old type's other keys dropped), at any depth."""
 
 import pytest

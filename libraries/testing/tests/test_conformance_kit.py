@@ -7,8 +7,8 @@ tensor-parallel claim, a field that changes nothing, a parameter without gradien
 that do not scale, decoding that forgets its state, slices that forget the slice before) fails exactly its check,
 with the message checked. Likewise a converter section
 in made-up formats: right, or with a field, a weight or a key unclaimed, or an import that does not invert its export.
-The three failures of the issue, and a false sequence-data-parallel claim, also go through pytest itself
-(`pytester`), as a plugin author sees them; and the
+Three of the failures (a wrong output shape, state leaking across documents, a false tensor-parallel claim) and a
+false sequence-data-parallel claim also go through pytest itself (`pytester`), as a plugin author sees them; and the
 pytest plugin is checked to load without torch. These plugins are registered in-process (`register_plugin`); the kit
 on installed plugins is each first-party plugin's test_<name>_conformance.py.
 """
