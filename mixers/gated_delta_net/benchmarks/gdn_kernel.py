@@ -7,8 +7,7 @@ states and every input's gradient). Run on a GPU:
 
 `--launches state=4x1,chunk=4x3,value_block=16 ...` times our forward and forward+backward again under other launch
 options (KERNEL=WARPSxSTAGES for the kernels' groups prepare, chunk, state, gradient and wy; value_block and
-key_block: the value and key channels of a program; intermediates=bf16: what the forward keeps, in bf16;
-inversion=in_place: how the first kernel inverts each chunk's I + A);
+key_block: the value and key channels of a program; intermediates=fp32|bf16: what the kernels keep between them);
 `--profile` prints where each contender's forward+backward spends its GPU time, by kernel.
 
 fla's forward+backward is timed with its Hopper refusal lifted (`gdn_layer.fla_check_lifted`: a figure of its speed
@@ -100,20 +99,16 @@ def launch_settings(text: str) -> dict:
                 if value not in dtypes:
                     raise ValueError(f"intermediates {value!r}: fp32 or bf16")
                 settings["INTERMEDIATE_DTYPE"] = dtypes[value]
-            elif key == "inversion":
-                if value not in ("registers", "in_place"):
-                    raise ValueError(f"inversion {value!r}: registers or in_place")
-                settings["INVERSION"] = value
             elif key in LAUNCH_GROUPS:
                 warps, _, stages = value.partition("x")
                 settings[LAUNCH_GROUPS[key]] = {"num_warps": int(warps), "num_stages": int(stages)}
             else:
-                groups = ", ".join([*LAUNCH_GROUPS, *BLOCK_SIZES, "intermediates", "inversion"])
+                groups = ", ".join([*LAUNCH_GROUPS, *BLOCK_SIZES, "intermediates"])
                 raise ValueError(f"no kernel group {key!r} (groups: {groups})")
         except ValueError as error:
             raise SystemExit(
                 f"--launches {text}: {error}; the form is "
-                "GROUP=WARPSxSTAGES,value_block=N,key_block=N,intermediates=fp32|bf16,inversion=registers|in_place"
+                "GROUP=WARPSxSTAGES,value_block=N,key_block=N,intermediates=fp32|bf16"
             ) from None
     return settings
 

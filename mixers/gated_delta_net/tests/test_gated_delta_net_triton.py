@@ -104,8 +104,9 @@ def check_cases(cases, tolerance=None) -> list[str]:
 
 
 def run_under_interpreter(which: str) -> None:
-    """This file's `which` cases ("fast", "slow" or "layer") under Triton's interpreter. Overflows are errors: the
-    kernels must compute nothing from memory they never wrote or rows they should have masked."""
+    """This file's `which` cases ("fast", "default-intermediates", "slow" or "layer") under Triton's interpreter.
+    Overflows are errors: the kernels must compute nothing from memory they never wrote or rows they should have
+    masked."""
     run_interpreter_cases(__file__, which, overflow_is_error=True)
 
 
@@ -114,14 +115,10 @@ def test_the_kernels_match_the_float64_loop():
 
 
 def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
-    """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in bf16
-    (`INTERMEDIATE_DTYPE`): every case within BF16_INTERMEDIATES_TOLERANCE."""
-    run_under_interpreter("bf16-intermediates")
-
-
-def test_the_kernels_inverting_in_place_match_the_float64_loop():
-    """With each chunk's I + A inverted over A stored in memory (`INVERSION = "in_place"`) instead of in registers."""
-    run_under_interpreter("in-place-inversion")
+    """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in the
+    default dtype, bf16 (`INTERMEDIATE_DTYPE`; the other checks keep them in fp32): every case within
+    BF16_INTERMEDIATES_TOLERANCE."""
+    run_under_interpreter("default-intermediates")
 
 
 @pytest.mark.slow
@@ -162,23 +159,24 @@ HOPPER_SHARED_MEMORY = 232448
 HOPPER_MULTIPROCESSOR_SHARED_MEMORY = 233472  # 228 KiB, shared by the blocks resident on one multiprocessor
 # The kernels' pointer arguments that are not fp32: bf16 activations (the training case) and int32 chunk tables.
 BF16_ARGUMENTS = ("q", "k", "v", "beta", "output", "output_gradient", "v_gradient")
+# What the kernels keep between them, in INTERMEDIATE_DTYPE.
+KEPT_ARGUMENTS = ("w", "u", "states", "new_values", "state_gradients", "new_value_gradients")
 INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
 
 
-def shared_memory_on_hopper(kernel, options, block_k=None, in_registers=True) -> int:
+def shared_memory_on_hopper(kernel, options, block_k=None) -> int:
     """The shared memory `kernel` needs per block compiled for sm_90 (no GPU needed: Triton compiles for a named
-    target) with the largest blocks the launches use: 128 key channels, 32 value channels, chunks of 64; bf16 inputs;
-    `options` the launch's (num_warps, num_stages); `block_k` the kernel's block of key channels where it takes
-    them in blocks; `in_registers` how `prepare_chunks` inverts. Arguments are declared divisible by 16, as the
-    launches' are."""
+    target) with the largest blocks the launches use: 128 key channels, 32 value channels, chunks of 64; bf16 inputs,
+    intermediates in INTERMEDIATE_DTYPE; `options` the launch's (num_warps, num_stages); `block_k` the kernel's block
+    of key channels where it takes them in blocks. Arguments are declared divisible by 16, as the launches' are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from blockzoo_gated_delta_net.triton_delta_rule import CHUNK_SIZE, MAX_KEY_SIZE
+    from blockzoo_gated_delta_net.triton_delta_rule import CHUNK_SIZE, INTERMEDIATE_DTYPE, MAX_KEY_SIZE
 
     constants = {"GROUP": 1, "CHUNK": CHUNK_SIZE, "BLOCK_K": block_k or MAX_KEY_SIZE, "BLOCK_V": 32}
-    constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True, "IN_REGISTERS": in_registers}
+    constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True}
     signature = {}
     for name in kernel.arg_names:
         stem = name.removesuffix("_pointer")
@@ -187,7 +185,9 @@ def shared_memory_on_hopper(kernel, options, block_k=None, in_registers=True) ->
         elif name == stem:
             signature[name] = "i32"
         else:
-            signature[name] = "*bf16" if stem in BF16_ARGUMENTS else "*i32" if stem in INT32_ARGUMENTS else "*fp32"
+            kept_in_bf16 = stem in KEPT_ARGUMENTS and INTERMEDIATE_DTYPE is torch.bfloat16
+            bf16 = stem in BF16_ARGUMENTS or kept_in_bf16
+            signature[name] = "*bf16" if bf16 else "*i32" if stem in INT32_ARGUMENTS else "*fp32"
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name not in constants}
     source = ASTSource(
         kernel, signature, constexprs={name: constants[name] for name in kernel.arg_names if name in constants},
@@ -223,7 +223,6 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
         ("chunk_wy_gradients", chunk_wy_gradients, launches.WY_GRADIENT_OPTIONS),
     ):
         needs[name] = shared_memory_on_hopper(kernel, options, launches.KEY_BLOCK)
-    needs["prepare_chunks, in place"] = shared_memory_on_hopper(prepare_chunks, launches.PREPARE_OPTIONS, None, False)
     print(needs)
     assert all(0 < need <= HOPPER_SHARED_MEMORY for need in needs.values()), needs
     # The sequential passes run two programs to a multiprocessor (each block also reserves 1 KiB).
@@ -304,25 +303,21 @@ def check_layer() -> list[str]:
 if __name__ == "__main__":
     patch_for_numpy()
     patch_bf16_dots()
-    if sys.argv[1] == "layer":
-        failures = check_layer()
-    elif sys.argv[1] == "fast":
-        from blockzoo_gated_delta_net import triton_delta_rule
+    from blockzoo_gated_delta_net import triton_delta_rule
 
-        # Blocks of 16 key channels: the cases' heads of 24 and 32 take two, the last partly past the head's end.
-        triton_delta_rule.KEY_BLOCK = 16
-        failures = check_cases(FAST_CASES)
-    elif sys.argv[1] == "bf16-intermediates":
-        from blockzoo_gated_delta_net import triton_delta_rule
-
-        triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
+    if sys.argv[1] == "default-intermediates":
+        # What the kernels keep between them in the default dtype (bf16): the rounding's tolerance.
         failures = check_cases(FAST_CASES, BF16_INTERMEDIATES_TOLERANCE)
-    elif sys.argv[1] == "in-place-inversion":
-        from blockzoo_gated_delta_net import triton_delta_rule
-
-        triton_delta_rule.INVERSION = "in_place"
-        failures = check_cases(FAST_CASES)
     else:
-        failures = check_cases(SLOW_CASES)
+        # Kept in fp32, the kernels' arithmetic is checked to fp32's tolerance (bf16 inputs aside).
+        triton_delta_rule.INTERMEDIATE_DTYPE = torch.float32
+        if sys.argv[1] == "layer":
+            failures = check_layer()
+        elif sys.argv[1] == "fast":
+            # Blocks of 16 key channels: the cases' heads of 24 and 32 take two, the last partly past the head's end.
+            triton_delta_rule.KEY_BLOCK = 16
+            failures = check_cases(FAST_CASES)
+        else:
+            failures = check_cases(SLOW_CASES)
     if failures:
         sys.exit("\n".join(failures))

@@ -145,7 +145,7 @@ def chunk_key_gradients(
     new_value_gradients_pointer,
     chunk_start_pointer,
     chunk_end_pointer,
-    q_gradient_pointer,  # out: [tokens, heads, key_size] fp32 (per value head)
+    q_gradient_pointer,  # out: [tokens, heads, key_size] per value head (fp32; q's dtype with one value head per key)
     k_gradient_pointer,  # out: [tokens, heads, key_size] fp32 (per value head; `chunk_wy_gradients` adds its part)
     w_gradient_pointer,  # out: dW [tokens, heads, key_size] fp32
     b_gradient_pointer,  # out: each key block's part of db [key_blocks, tokens, heads] fp32

@@ -29,32 +29,28 @@ CHUNK_SIZE = 64
 # their shared memory is sized and checked for Hopper (227 KiB) at 128 key channels, the most they take.
 MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
-# Launch options, sized for Hopper's 227 KiB of shared memory per block at 128 key channels and chunks of 64 (the
-# kernels' sizes compiled for sm_90 are checked in the tests): the forward's per-chunk kernels hold several
-# [CHUNK, key_size] and [CHUNK, CHUNK] fp32 tiles (preparing them, 8 warps spread them over more registers). The state
-# passes take blocks of VALUE_BLOCK value channels (more programs, fewer registers each): at 4 documents of 16 heads ×
-# 128 value channels (the kernel benchmark's shape) that is 256 programs, which one stage of loads (57 and 94 KiB)
-# lets run two to a multiprocessor, in one wave on 132 of them; with two stages (131 and 164 KiB) they would take two
-# waves of 64 sequential steps each. The backward's per-chunk gradients take blocks of KEY_BLOCK key channels, so that
-# several of their programs fit a multiprocessor (52 and 104 KiB; with whole key heads of 128, one kernel doing both
-# needed 214 KiB); 4 warps and two stages timed faster than 8 warps on an H100. The kernel benchmark
-# (benchmarks/gdn_kernel.py --launches) times other choices.
-PREPARE_OPTIONS = {"num_warps": 8}
+# Launch options, timed on an H100 at 4 documents × 4096 tokens of 16 heads × 128 (benchmarks/gdn_kernel.py --launches
+# times others) and checked against Hopper's shared memory in the tests (227 KiB a block, 228 a multiprocessor), with
+# bf16 intermediates. The per-chunk kernels run one program per chunk and head (4096 there) and are bound by
+# latency, not bandwidth: fewer warps let more programs share a multiprocessor (preparing the chunks took 0.89 ms at
+# 8 warps, 0.32 at 2). The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer registers
+# each): 256 programs there, two to a multiprocessor with two stages of loads (74 and 66 KiB), one wave on 132. The
+# backward's per-chunk gradients take blocks of KEY_BLOCK key channels (56 and 80 KiB; one kernel over whole key
+# heads of 128 needed 214 KiB and ran one program to a multiprocessor).
+PREPARE_OPTIONS = {"num_warps": 2, "num_stages": 2}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
-STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 1}
-CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
-WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 2}
+STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
+CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 3}
+WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 1}
 VALUE_BLOCK = 32
 KEY_BLOCK = 64
 # The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
-# the backward's gradients of each chunk's state and of u (every kernel computes in fp32 and carries the state and
-# its gradient in fp32 from chunk to chunk). fp32 is the more accurate; bf16 halves the memory traffic of the
-# sequential passes and of what reads the states (flash-linear-attention keeps them in the inputs' dtype).
-# `gdn_kernel.py --launches intermediates=bf16` times it.
-INTERMEDIATE_DTYPE = torch.float32
-# How `prepare_chunks` inverts each chunk's I + A: "registers" (its 16-row blocks held in registers) or "in_place"
-# (over A stored in T's memory). `gdn_kernel.py --launches inversion=in_place` times the other.
-INVERSION = "registers"
+# the backward's gradients of each chunk's state and of u; the dots that read them take their operands in it (every
+# kernel accumulates in fp32 and carries the state and its gradient in fp32 from chunk to chunk). bf16, flash-linear-
+# attention's choice: it halves the memory traffic and shared memory of the kernels that read them and runs their
+# dots at bf16's rate (forward and backward 4.4 against 5.4 ms of GPU time on an H100), while the largest relative
+# error against float64 stays below fla's (3.4e-3 against 3.9e-3; fp32: 2.6e-3). `intermediates=fp32` times fp32.
+INTERMEDIATE_DTYPE = torch.bfloat16
 
 
 def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
@@ -114,9 +110,8 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         u = torch.empty(tokens, heads, value_size, **kept)
         if chunks:
             prepare_chunks[(chunks, heads)](
-                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks,
-                IN_REGISTERS=INVERSION == "registers", **PREPARE_OPTIONS,
-            )  # fmt: skip
+                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
+            )
 
         final = torch.empty(documents, heads, key_size, value_size, **fp32)
         states = torch.empty(chunks, heads, key_size, value_size, **kept)
@@ -170,7 +165,10 @@ class TritonGatedDeltaRule(torch.autograd.Function):
                 cu_seqlens, chunk_offsets, state_gradients, new_value_gradients, initial_gradient,
                 **sizes, HAS_FINAL_GRADIENT=has_final_gradient, **blocks, **STATE_PASS_OPTIONS,
             )  # fmt: skip
-        q_gradient = torch.zeros(tokens, heads, key_size, **fp32)
+        # Value head h reads key head h // group: a key head's gradient is the sum over its group. With one value head
+        # a key head, q's gradient needs no sum and is written in q's dtype (k's is added to by two kernels: fp32).
+        group = heads // key_heads
+        q_gradient = torch.zeros(tokens, heads, key_size, **(fp32 | {"dtype": q.dtype} if group == 1 else fp32))
         k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
         w_gradient = torch.empty(tokens, heads, key_size, **fp32)
         v_gradient = torch.zeros_like(v)
@@ -190,10 +188,9 @@ class TritonGatedDeltaRule(torch.autograd.Function):
                 k_gradient, v_gradient, beta_gradient, g_gradient, tokens, **sizes,
                 **(blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
             )  # fmt: skip
-        group = heads // key_heads
-        # Value head h read key head h // group: a key head's gradient is the sum over its group.
         q_gradient, k_gradient = (
-            x.view(tokens, key_heads, group, key_size).sum(2).to(q.dtype) for x in (q_gradient, k_gradient)
+            (x if group == 1 else x.view(tokens, key_heads, group, key_size).sum(2)).to(q.dtype)
+            for x in (q_gradient, k_gradient)
         )
         return (
             q_gradient,

@@ -4,9 +4,9 @@ inverse T = (I + A)⁻¹, and the WY factors W = T (β e^b K), U = T (β V).
 
 T is made by forward substitution in blocks of 16 rows (exact for the unit lower-triangular system: no matrix powers
 that lose precision): each diagonal block row by row, T_ii[r] = e_r − Σ_{s<r} A_ii[r, s] T_ii[s], then the blocks
-below the diagonal, T_ij = −T_ii Σ_{j<=m<i} A_im T_mj. Two ways, chosen by IN_REGISTERS: in registers, the 16-row
-blocks of A computed apart from their own rows of K; or in place, over the whole A stored in the output's memory.
-Imports triton: import it only where Triton runs.
+below the diagonal, T_ij = −T_ii Σ_{j<=m<i} A_im T_mj, in place over A stored in T's memory, where the backward reads
+T (holding the blocks of A and T in registers instead timed slower on an H100). Imports triton: import it only where
+Triton runs.
 """
 
 import triton
@@ -69,110 +69,6 @@ def _invert_in_place(pointer, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _row_block(k_pointer, g_pointer, beta_pointer, start, end, block, log_decay_before, heads, key_heads, head,
-               key_size, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """k, β and b of a chunk's 16-row block `block` (b continuing from the chunk's log decays before it), and the
-    log decay at its end. Rows past the document's end read k = β = g = 0."""
-    SUB: tl.constexpr = SUBSTITUTION_BLOCK
-    tokens = start + block * SUB + tl.arange(0, SUB)
-    valid = tokens < end
-    k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
-    beta = _load_head_values(beta_pointer, tokens, valid, heads, head)
-    b = log_decay_before + tl.cumsum(_load_head_values(g_pointer, tokens, valid, heads, head), 0)
-    return k, beta, b, tl.sum(tl.where(tl.arange(0, SUB) == SUB - 1, b, 0.0), 0)
-
-
-@triton.jit
-def _lower_block(k_i, beta_i, b_i, k_j, b_j, DIAGONAL: tl.constexpr):
-    """A_ij = β_i (k_i k_jᵀ) e^{b_i − b_j}, strictly lower on the diagonal (i = j); below it every row's token
-    follows every column's, so no entry is masked."""
-    products = tl.dot(k_i, tl.trans(k_j)) * beta_i[:, None]
-    if DIAGONAL:
-        return products * _decay_ratio(b_i, True, SUBSTITUTION_BLOCK)
-    return products * tl.exp(b_i[:, None] - b_j[None, :])
-
-
-@triton.jit
-def _substitute_row(lower, inverse, r):
-    """`inverse` with row r of a diagonal block's inverse made from the rows above it."""
-    rows = tl.arange(0, SUBSTITUTION_BLOCK)
-    a_row = tl.sum(tl.where(rows[:, None] == r, lower, 0.0), 0)  # A[r, :]
-    new_row = tl.where(rows == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
-    return tl.where(rows[:, None] == r, new_row[None, :], inverse)
-
-
-@triton.jit
-def _merge(a, t):
-    return tl.dot(a, t, input_precision="ieee")
-
-
-@triton.jit
-def _invert_in_registers(k_pointer, g_pointer, beta_pointer, start, end, inverse_base, heads, key_heads, head,
-                         key_size, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """T of a chunk of 16, 32 or 64 rows stored at `inverse_base` ([CHUNK, CHUNK], row-major, zeros above the
-    diagonal), every block of A and T held in registers (the four diagonal blocks substituted in one loop)."""
-    SUB: tl.constexpr = SUBSTITUTION_BLOCK
-    BLOCKS: tl.constexpr = CHUNK // SUB
-    rows = tl.arange(0, SUB)
-    identity = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
-    k0, beta0, b0, end0 = _row_block(k_pointer, g_pointer, beta_pointer, start, end, 0, 0.0, heads, key_heads,
-                                     head, key_size, GROUP, BLOCK_K)  # fmt: skip
-    a00 = _lower_block(k0, beta0, b0, k0, b0, True)
-    t00 = identity
-    t11 = identity
-    t22 = identity
-    t33 = identity
-    if BLOCKS > 1:
-        k1, beta1, b1, end1 = _row_block(k_pointer, g_pointer, beta_pointer, start, end, 1, end0, heads, key_heads,
-                                         head, key_size, GROUP, BLOCK_K)  # fmt: skip
-        a10 = _lower_block(k1, beta1, b1, k0, b0, False)
-        a11 = _lower_block(k1, beta1, b1, k1, b1, True)
-    if BLOCKS > 2:
-        k2, beta2, b2, end2 = _row_block(k_pointer, g_pointer, beta_pointer, start, end, 2, end1, heads, key_heads,
-                                         head, key_size, GROUP, BLOCK_K)  # fmt: skip
-        k3, beta3, b3, _ = _row_block(k_pointer, g_pointer, beta_pointer, start, end, 3, end2, heads, key_heads,
-                                      head, key_size, GROUP, BLOCK_K)  # fmt: skip
-        a20 = _lower_block(k2, beta2, b2, k0, b0, False)
-        a21 = _lower_block(k2, beta2, b2, k1, b1, False)
-        a22 = _lower_block(k2, beta2, b2, k2, b2, True)
-        a30 = _lower_block(k3, beta3, b3, k0, b0, False)
-        a31 = _lower_block(k3, beta3, b3, k1, b1, False)
-        a32 = _lower_block(k3, beta3, b3, k2, b2, False)
-        a33 = _lower_block(k3, beta3, b3, k3, b3, True)
-    for r in range(1, SUB):
-        t00 = _substitute_row(a00, t00, r)
-        if BLOCKS > 1:
-            t11 = _substitute_row(a11, t11, r)
-        if BLOCKS > 2:
-            t22 = _substitute_row(a22, t22, r)
-            t33 = _substitute_row(a33, t33, r)
-    tl.store(_block_pointers(inverse_base, 0, 0, CHUNK), t00)
-    if BLOCKS > 1:
-        t10 = -_merge(t11, _merge(a10, t00))
-        tl.store(_block_pointers(inverse_base, 0, 1, CHUNK), zero)
-        tl.store(_block_pointers(inverse_base, 1, 0, CHUNK), t10)
-        tl.store(_block_pointers(inverse_base, 1, 1, CHUNK), t11)
-    if BLOCKS > 2:
-        t21 = -_merge(t22, _merge(a21, t11))
-        t32 = -_merge(t33, _merge(a32, t22))
-        t20 = -_merge(t22, _merge(a20, t00) + _merge(a21, t10))
-        t31 = -_merge(t33, _merge(a31, t11) + _merge(a32, t21))
-        t30 = -_merge(t33, _merge(a30, t00) + _merge(a31, t10) + _merge(a32, t20))
-        for j in tl.static_range(2, BLOCKS):
-            tl.store(_block_pointers(inverse_base, 0, j, CHUNK), zero)
-            tl.store(_block_pointers(inverse_base, 1, j, CHUNK), zero)
-        tl.store(_block_pointers(inverse_base, 2, 3, CHUNK), zero)
-        tl.store(_block_pointers(inverse_base, 2, 0, CHUNK), t20)
-        tl.store(_block_pointers(inverse_base, 2, 1, CHUNK), t21)
-        tl.store(_block_pointers(inverse_base, 2, 2, CHUNK), t22)
-        tl.store(_block_pointers(inverse_base, 3, 0, CHUNK), t30)
-        tl.store(_block_pointers(inverse_base, 3, 1, CHUNK), t31)
-        tl.store(_block_pointers(inverse_base, 3, 2, CHUNK), t32)
-        tl.store(_block_pointers(inverse_base, 3, 3, CHUNK), t33)
-
-
-@triton.jit
 def prepare_chunks(
     k_pointer,
     v_pointer,
@@ -192,7 +88,6 @@ def prepare_chunks(
     CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    IN_REGISTERS: tl.constexpr,
 ):
     chunk, head = tl.program_id(0), tl.program_id(1)
     tokens, valid, _ = _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK)
@@ -204,18 +99,9 @@ def prepare_chunks(
 
     # T is made in its place in memory, where the backward reads it.
     inverse_pointers = _inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK)
-    inverse_base = inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK
-    if IN_REGISTERS:
-        start = tl.load(chunk_start_pointer + chunk).to(tl.int64)
-        end = tl.load(chunk_end_pointer + chunk).to(tl.int64)
-        _invert_in_registers(
-            k_pointer, g_pointer, beta_pointer, start, end, inverse_base, heads, key_heads, head, key_size, GROUP,
-            CHUNK, BLOCK_K,
-        )  # fmt: skip
-    else:
-        tl.store(inverse_pointers, beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK))
-        tl.debug_barrier()
-        _invert_in_place(inverse_base, CHUNK)
+    tl.store(inverse_pointers, beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK))
+    tl.debug_barrier()
+    _invert_in_place(inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK, CHUNK)
     tl.debug_barrier()
     inverse = tl.load(inverse_pointers)
 
