@@ -49,7 +49,7 @@ def chunk_new_value_gradients(
     output_gradient_pointer,
     chunk_start_pointer,
     chunk_end_pointer,
-    new_value_gradients_pointer,  # out: Pᵀ dO [tokens, heads, value_size] fp32, completed by the state pass
+    new_value_gradients_pointer,  # out: Pᵀ dO [tokens, heads, value_size] (the kept dtype), completed later
     heads,
     key_heads,
     key_size,
@@ -80,8 +80,8 @@ def pass_state_gradients(
     final_gradient_pointer,
     cu_seqlens_pointer,
     chunk_offsets_pointer,
-    state_gradients_pointer,  # out: dS' of each chunk [chunks, heads, key_size, value_size] fp32
-    new_value_gradients_pointer,  # in: Pᵀ dO, out: du [tokens, heads, value_size] fp32
+    state_gradients_pointer,  # out: dS' of each chunk [chunks, heads, key_size, value_size] (the kept dtype)
+    new_value_gradients_pointer,  # in: Pᵀ dO, out: du [tokens, heads, value_size] (the kept dtype)
     initial_gradient_pointer,  # out: [documents, heads, key_size, value_size] fp32
     heads,
     key_heads,

@@ -170,8 +170,8 @@ def pass_states(
     cu_seqlens_pointer,
     chunk_offsets_pointer,
     final_pointer,  # out: [documents, heads, key_size, value_size] fp32
-    states_pointer,  # out: each chunk's starting state [chunks, heads, key_size, value_size] fp32
-    new_values_pointer,  # out: u [tokens, heads, value_size] fp32
+    states_pointer,  # out: each chunk's starting state [chunks, heads, key_size, value_size] (the kept dtype)
+    new_values_pointer,  # out: u [tokens, heads, value_size] (the kept dtype)
     heads,
     key_heads,
     key_size,

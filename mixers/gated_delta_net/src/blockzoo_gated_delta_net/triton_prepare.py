@@ -78,8 +78,8 @@ def prepare_chunks(
     chunk_end_pointer,
     log_decay_pointer,  # out: b [tokens, heads] fp32
     inverse_pointer,  # out: T [chunks, heads, CHUNK, CHUNK] fp32
-    w_pointer,  # out: W [tokens, heads, key_size] fp32
-    u_pointer,  # out: U [tokens, heads, value_size] fp32
+    w_pointer,  # out: W [tokens, heads, key_size] (the kept dtype, INTERMEDIATE_DTYPE)
+    u_pointer,  # out: U [tokens, heads, value_size] (the kept dtype)
     heads,
     key_heads,
     key_size,
