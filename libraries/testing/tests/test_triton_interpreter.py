@@ -32,7 +32,7 @@ def check_bf16_dot() -> None:
 
 
 def test_bf16_dots_under_the_interpreter_equal_torchs():
-    run_interpreter_cases(__file__, "bf16-dot")
+    run_interpreter_cases(__file__)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def check_cases(cases, tolerance=None) -> list[str]:
 
 
 def run_under_interpreter(which: str) -> None:
-    """This file's `which` cases ("fast", "default-intermediates", "slow" or "layer") under Triton's interpreter.
+    """This file's `which` cases ("fast", "bf16-intermediates", "slow" or "layer") under Triton's interpreter.
     Overflows are errors: the kernels must compute nothing from memory they never wrote or rows they should have
     masked."""
     run_interpreter_cases(__file__, which, overflow_is_error=True)
@@ -116,10 +116,10 @@ def test_the_kernels_match_the_float64_loop():
 
 
 def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
-    """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in the
-    default dtype, bf16 (`INTERMEDIATE_DTYPE`; the other checks keep them in fp32): every case within
+    """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in bf16,
+    the default (`INTERMEDIATE_DTYPE`; the other checks keep them in fp32): every case within
     BF16_INTERMEDIATES_TOLERANCE."""
-    run_under_interpreter("default-intermediates")
+    run_under_interpreter("bf16-intermediates")
 
 
 @pytest.mark.slow
@@ -306,8 +306,8 @@ if __name__ == "__main__":
     patch_bf16_dots()
     from blockzoo_gated_delta_net import triton_delta_rule
 
-    if sys.argv[1] == "default-intermediates":
-        # What the kernels keep between them in the default dtype (bf16): the rounding's tolerance.
+    if sys.argv[1] == "bf16-intermediates":
+        triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
         failures = check_cases(FAST_CASES, BF16_INTERMEDIATES_TOLERANCE)
     else:
         # Kept in fp32, the kernels' arithmetic is checked to fp32's tolerance (bf16 inputs aside).

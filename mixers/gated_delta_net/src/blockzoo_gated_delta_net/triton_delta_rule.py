@@ -168,7 +168,8 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         # Value head h reads key head h // group: a key head's gradient is the sum over its group. With one value head
         # a key head, q's gradient needs no sum and is written in q's dtype (k's is added to by two kernels: fp32).
         group = heads // key_heads
-        q_gradient = torch.zeros(tokens, heads, key_size, **(fp32 | {"dtype": q.dtype} if group == 1 else fp32))
+        q_gradient_dtype = q.dtype if group == 1 else torch.float32
+        q_gradient = torch.zeros(tokens, heads, key_size, dtype=q_gradient_dtype, device=q.device)
         k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
         w_gradient = torch.empty(tokens, heads, key_size, **fp32)
         v_gradient = torch.zeros_like(v)

@@ -40,7 +40,7 @@ def _invert_in_place(pointer, CHUNK: tl.constexpr):
     """T written over the strictly lower A at `pointer` ([CHUNK, CHUNK], row-major): first every diagonal block at
     once, then the blocks below the diagonal, block row by block row (products in full fp32). A row of blocks is
     written left to right over A's, which only the blocks to its right still read. The caller has stored A and passed
-    a barrier."""
+    a barrier; every write here is behind a barrier when it returns."""
     SUB: tl.constexpr = SUBSTITUTION_BLOCK
     BLOCKS: tl.constexpr = CHUNK // SUB
     block = tl.arange(0, BLOCKS)[:, None, None]
@@ -102,7 +102,6 @@ def prepare_chunks(
     tl.store(inverse_pointers, beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK))
     tl.debug_barrier()
     _invert_in_place(inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK, CHUNK)
-    tl.debug_barrier()
     inverse = tl.load(inverse_pointers)
 
     w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
