@@ -161,7 +161,7 @@ HOPPER_MULTIPROCESSOR_SHARED_MEMORY = 233472  # 228 KiB, shared by the blocks re
 # The kernels' pointer arguments that are not fp32: bf16 activations (the training case) and int32 chunk tables.
 BF16_ARGUMENTS = ("q", "k", "v", "beta", "output", "output_gradient", "v_gradient")
 # What the kernels keep between them, in INTERMEDIATE_DTYPE.
-KEPT_ARGUMENTS = ("w", "u", "states", "new_values", "state_gradients", "new_value_gradients")
+KEPT_ARGUMENTS = ("w", "u", "states", "new_values", "state_gradients", "new_value_gradients", "w_gradient")
 INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
 
 

@@ -33,6 +33,7 @@ from blockzoo_gated_delta_net.triton_forward import (
     _load_log_decays,
     _load_rows,
     _load_state,
+    _load_tile,
     _read_chunk,
     _state_pointers,
     _store_head_values,
@@ -65,7 +66,7 @@ def chunk_new_value_gradients(
         head, key_size, GROUP, CHUNK, BLOCK_K,
     )  # fmt: skip
     for offset in range(0, value_size, BLOCK_V):
-        output_gradient = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        output_gradient = _load_tile(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         within = _dot(tl.trans(scores), output_gradient, new_value_gradients_pointer.dtype.element_ty)
         _store_rows(new_value_gradients_pointer, within, tokens, valid, heads, head, value_size, BLOCK_V, offset)
 
@@ -147,7 +148,7 @@ def chunk_key_gradients(
     chunk_end_pointer,
     q_gradient_pointer,  # out: [tokens, heads, key_size] per value head (fp32; q's dtype with one value head per key)
     k_gradient_pointer,  # out: [tokens, heads, key_size] fp32 (per value head; `chunk_wy_gradients` adds its part)
-    w_gradient_pointer,  # out: dW [tokens, heads, key_size] fp32
+    w_gradient_pointer,  # out: dW [tokens, heads, key_size] (the kept dtype)
     b_gradient_pointer,  # out: each key block's part of db [key_blocks, tokens, heads] fp32
     total_tokens,
     heads,
@@ -179,19 +180,19 @@ def chunk_key_gradients(
         pointers, mask = _state_pointers(
             states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, key_offset
         )
-        state = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
+        state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
         pointers, mask = _state_pointers(
             state_gradients_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, key_offset
         )
-        state_gradient = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
-        u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        du = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        do = _load_rows(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        state_gradient = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        u = _load_tile(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        du = _load_tile(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        do = _load_tile(output_gradient_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         q_state_gradient += _dot(do, tl.trans(state), kept)
         scores_gradient += _dot(do, tl.trans(u), kept)
         k_state_gradient += _dot(u, tl.trans(state_gradient), kept)
         w_gradient -= _dot(du, tl.trans(state), kept)
-        state_product += tl.sum(tl.sum(state * state_gradient, 1), 0)
+        state_product += tl.sum(tl.sum(state.to(tl.float32) * state_gradient.to(tl.float32), 1), 0)
 
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)
@@ -199,9 +200,9 @@ def chunk_key_gradients(
     q_gradient = q_state_gradient * decay[:, None]
     b_gradient = tl.sum(q_gradient * q, 1)
     scores_gradient = scores_gradient * _decay_ratio(b, False, CHUNK)
-    q_gradient += tl.dot(scores_gradient, k)
-    k_gradient = tl.dot(tl.trans(scores_gradient), q)
-    through_ratio = scores_gradient * tl.dot(q, tl.trans(k))
+    q_gradient += _dot(scores_gradient, k, kept)
+    k_gradient = _dot(tl.trans(scores_gradient), q, kept)
+    through_ratio = scores_gradient * _dot(q, tl.trans(k), q_pointer.dtype.element_ty)
     b_gradient += tl.sum(through_ratio, 1) - tl.sum(through_ratio, 0)
     # S' = e^{b_C} S + (K ⊙ e^{b_C − b})ᵀ u.
     k_state_gradient = k_state_gradient * to_end[:, None]
@@ -230,7 +231,8 @@ def chunk_wy_gradients(
     b_gradient_pointer,  # in: the key blocks' parts of db
     chunk_start_pointer,
     chunk_end_pointer,
-    k_gradient_pointer,  # in and out: [tokens, heads, key_size] fp32 (per value head)
+    k_gradient_pointer,  # in: `chunk_key_gradients`' part [tokens, heads, key_size] fp32 (per value head)
+    k_gradient_out_pointer,  # out: k's gradient per value head (k's dtype with one value head per key head, or fp32)
     v_gradient_pointer,  # out: [tokens, heads, value_size] (v's dtype)
     beta_gradient_pointer,  # out: [tokens, heads] fp32
     g_gradient_pointer,  # out: [tokens, heads] fp32
@@ -251,15 +253,17 @@ def chunk_wy_gradients(
     b, _ = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
     inverse = tl.load(_inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK))
     decay = tl.where(valid, tl.exp(b), 0.0)
+    kept: tl.constexpr = new_value_gradients_pointer.dtype.element_ty
+    exact: tl.constexpr = k_pointer.dtype.element_ty  # k's products with itself
 
     # U = T (βV): dT = dU (βV)ᵀ and d(βV) = Tᵀ dU, a block of value channels at a time.
     inverse_gradient = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT
     beta_gradient = tl.zeros([CHUNK], dtype=tl.float32)
     for offset in range(0, value_size, BLOCK_V):
-        du = _load_rows(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        du = _load_tile(new_value_gradients_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         v = _load_rows(v_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        inverse_gradient += tl.dot(du, tl.trans(v * beta[:, None]))
-        weighted_v_gradient = tl.dot(tl.trans(inverse), du)
+        inverse_gradient += _dot(du, tl.trans(v * beta[:, None]), kept)
+        weighted_v_gradient = _dot(tl.trans(inverse), du, kept)
         v_gradient = (weighted_v_gradient * beta[:, None]).to(v_gradient_pointer.dtype.element_ty)
         _store_rows(v_gradient_pointer, v_gradient, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         beta_gradient += tl.sum(weighted_v_gradient * v, 1)
@@ -269,12 +273,12 @@ def chunk_wy_gradients(
     key_products = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for key_offset in range(0, key_size, BLOCK_K):
         k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)
-        w_gradient = _load_rows(w_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
-        inverse_gradient += tl.dot(w_gradient, tl.trans(k * scale[:, None]))
-        key_products += tl.dot(k, tl.trans(k))
+        w_gradient = _load_tile(w_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
+        inverse_gradient += _dot(w_gradient, tl.trans(k * scale[:, None]), kept)
+        key_products += _dot(k, tl.trans(k), exact)
     # T = (I + A)⁻¹, A strictly below the diagonal.
     strict = _decay_ratio(b, True, CHUNK)
-    lower_gradient = -tl.dot(tl.dot(tl.trans(inverse), inverse_gradient), tl.trans(inverse))
+    lower_gradient = -_dot(_dot(tl.trans(inverse), inverse_gradient, kept), tl.trans(inverse), kept)
     lower_gradient = tl.where(rows[:, None] > rows[None, :], lower_gradient, 0.0)
     beta_gradient += tl.sum(lower_gradient * key_products * strict, 1)
     products_gradient = lower_gradient * beta[:, None] * strict
@@ -287,13 +291,13 @@ def chunk_wy_gradients(
         block_part = _key_block_part(b_gradient_pointer, key_offset // BLOCK_K, total_tokens, heads)
         b_gradient += _load_head_values(block_part, tokens, valid, heads, head)
         k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, key_offset)
-        w_gradient = _load_rows(w_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
-        weighted_k_gradient = tl.dot(tl.trans(inverse), w_gradient)
+        w_gradient = _load_tile(w_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
+        weighted_k_gradient = _dot(tl.trans(inverse), w_gradient, kept)
         through_weights += tl.sum(weighted_k_gradient * k, 1)
         k_gradient = weighted_k_gradient * scale[:, None]
-        k_gradient += tl.dot(products_gradient, k) + tl.dot(tl.trans(products_gradient), k)
+        k_gradient += _dot(products_gradient, k, kept) + _dot(tl.trans(products_gradient), k, kept)
         k_gradient += _load_rows(k_gradient_pointer, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
-        _store_rows(k_gradient_pointer, k_gradient, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
+        _store_rows(k_gradient_out_pointer, k_gradient, tokens, valid, heads, head, key_size, BLOCK_K, key_offset)
     through_weights *= decay
     beta_gradient += through_weights
     b_gradient += beta * through_weights

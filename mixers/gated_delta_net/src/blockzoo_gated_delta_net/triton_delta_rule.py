@@ -45,11 +45,12 @@ WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 1}
 VALUE_BLOCK = 32
 KEY_BLOCK = 64
 # The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
-# the backward's gradients of each chunk's state and of u; the dots that read them take their operands in it (every
-# kernel accumulates in fp32 and carries the state and its gradient in fp32 from chunk to chunk). bf16, flash-linear-
-# attention's choice: it halves the memory traffic and shared memory of the kernels that read them and runs their
-# dots at bf16's rate (forward and backward 4.4 against 5.4 ms of GPU time on an H100), while the largest relative
-# error against float64 stays below fla's (3.4e-3 against 3.9e-3; fp32: 2.6e-3). `intermediates=fp32` times fp32.
+# the backward's gradients of each chunk's state, of u and of W; the dots that read them, and T's products in the
+# backward, take their operands in it (every kernel accumulates in fp32 and carries the state and its gradient in
+# fp32 from chunk to chunk). bf16, flash-linear-attention's choice: it halves the memory traffic and shared memory of
+# the kernels that read them and runs their dots at bf16's rate (forward and backward 4.4 against 5.4 ms of GPU time
+# on an H100), while the largest relative error against float64 stays below fla's (3.4e-3 against 3.9e-3; fp32:
+# 2.6e-3). `intermediates=fp32` times fp32.
 INTERMEDIATE_DTYPE = torch.bfloat16
 
 
@@ -166,27 +167,29 @@ class TritonGatedDeltaRule(torch.autograd.Function):
                 **sizes, HAS_FINAL_GRADIENT=has_final_gradient, **blocks, **STATE_PASS_OPTIONS,
             )  # fmt: skip
         # Value head h reads key head h // group: a key head's gradient is the sum over its group. With one value head
-        # a key head, q's gradient needs no sum and is written in q's dtype (k's is added to by two kernels: fp32).
+        # a key head, q's and k's gradients need no sum and are written in their dtype (k's last kernel adds its part
+        # to the fp32 one of the kernel before). Every token lies in a chunk: the kernels write every row.
         group = heads // key_heads
-        q_gradient_dtype = q.dtype if group == 1 else torch.float32
-        q_gradient = torch.zeros(tokens, heads, key_size, dtype=q_gradient_dtype, device=q.device)
-        k_gradient = torch.zeros(tokens, heads, key_size, **fp32)
-        w_gradient = torch.empty(tokens, heads, key_size, **fp32)
-        v_gradient = torch.zeros_like(v)
-        beta_gradient = torch.zeros(tokens, heads, **fp32)
-        g_gradient = torch.zeros(tokens, heads, **fp32)
+        summed_dtype = q.dtype if group == 1 else torch.float32
+        q_gradient = torch.empty(tokens, heads, key_size, dtype=summed_dtype, device=q.device)
+        k_gradient_part = torch.empty(tokens, heads, key_size, **fp32)
+        k_gradient = torch.empty(tokens, heads, key_size, dtype=summed_dtype, device=q.device)
+        w_gradient = torch.empty(tokens, heads, key_size, **kept)
+        v_gradient = torch.empty_like(v)
+        beta_gradient = torch.empty(tokens, heads, **fp32)
+        g_gradient = torch.empty(tokens, heads, **fp32)
         key_block = min(KEY_BLOCK, blocks["BLOCK_K"])
         key_blocks = triton.cdiv(key_size, key_block)
         b_gradient_parts = torch.empty(key_blocks, tokens, heads, **fp32)
         if chunks:
             chunk_key_gradients[(chunks, heads, key_blocks)](
                 q, k, log_decay, states, new_values, output_gradient, state_gradients, new_value_gradients, starts,
-                ends, q_gradient, k_gradient, w_gradient, b_gradient_parts, tokens, **sizes,
+                ends, q_gradient, k_gradient_part, w_gradient, b_gradient_parts, tokens, **sizes,
                 **(blocks | {"BLOCK_K": key_block}), **CHUNK_GRADIENT_OPTIONS,
             )  # fmt: skip
             chunk_wy_gradients[(chunks, heads)](
                 k, v, beta, log_decay, inverse, new_value_gradients, w_gradient, b_gradient_parts, starts, ends,
-                k_gradient, v_gradient, beta_gradient, g_gradient, tokens, **sizes,
+                k_gradient_part, k_gradient, v_gradient, beta_gradient, g_gradient, tokens, **sizes,
                 **(blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
             )  # fmt: skip
         q_gradient, k_gradient = (

@@ -29,13 +29,18 @@ def _chunk_rows(chunk_start_pointer, chunk_end_pointer, chunk, CHUNK: tl.constex
 
 
 @triton.jit
-def _load_rows(pointer, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
-    """x[tokens, head, offset : offset + BLOCK] of a [tokens, heads, size] tensor, in fp32 (zeros outside)."""
+def _load_tile(pointer, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
+    """x[tokens, head, offset : offset + BLOCK] of a [tokens, heads, size] tensor in its own dtype (zeros outside):
+    for tiles that only feed dots, which take them as they are."""
     columns = offset + tl.arange(0, BLOCK)
     mask = valid[:, None] & (columns < size)[None, :]
-    return tl.load(pointer + (tokens * heads + head)[:, None] * size + columns[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
+    return tl.load(pointer + (tokens * heads + head)[:, None] * size + columns[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_rows(pointer, tokens, valid, heads, head, size, BLOCK: tl.constexpr, offset):
+    """x[tokens, head, offset : offset + BLOCK] of a [tokens, heads, size] tensor, in fp32 (zeros outside)."""
+    return _load_tile(pointer, tokens, valid, heads, head, size, BLOCK, offset).to(tl.float32)
 
 
 @triton.jit
@@ -59,8 +64,9 @@ def _store_rows(pointer, value, tokens, valid, heads, head, size, BLOCK: tl.cons
 
 @triton.jit
 def _dot(a, b, dtype: tl.constexpr):
-    """a b with both operands in `dtype`, that of the intermediates the kernels keep (fp32: TF32 products, tl.dot's
-    default; bf16: flash-linear-attention's choice), accumulated in fp32."""
+    """a b with both operands in `dtype`, accumulated in fp32: that of the intermediates the kernels keep (fp32: TF32
+    products, tl.dot's default; bf16: flash-linear-attention's choice), or the inputs' own for products of inputs
+    (exact: bf16 inputs converted to fp32 convert back without loss)."""
     return tl.dot(a.to(dtype), b.to(dtype))
 
 
@@ -212,7 +218,7 @@ def _chunk_scores(
     q = _load_rows(q_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     k = _load_rows(k_pointer, tokens, valid, key_heads, head // GROUP, key_size, BLOCK_K, 0)
     b, _ = _load_log_decays(log_decay_pointer, tokens, valid, count, heads, head, CHUNK)
-    scores = tl.dot(q, tl.trans(k)) * _decay_ratio(b, False, CHUNK)
+    scores = _dot(q, tl.trans(k), q_pointer.dtype.element_ty) * _decay_ratio(b, False, CHUNK)
     return tokens, valid, count, q * tl.exp(b)[:, None], scores
 
 
@@ -246,8 +252,8 @@ def chunk_outputs(
             states_pointer, chunk, heads, head, key_size, value_size, BLOCK_K, BLOCK_V, offset, 0
         )
         # The slots past the last chunk (`chunk_layout`) have no state written: read zeros there.
-        state = tl.load(pointers, mask=mask & (count > 0), other=0.0).to(tl.float32)
-        u = _load_rows(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
+        state = tl.load(pointers, mask=mask & (count > 0), other=0.0)
+        u = _load_tile(new_values_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
         output = _dot(decayed_q, state, kept) + _dot(scores, u, kept)
         _store_rows(
             output_pointer, output.to(output_pointer.dtype.element_ty), tokens, valid, heads, head, value_size,

@@ -15,6 +15,7 @@ import triton.language as tl
 from blockzoo_gated_delta_net.triton_forward import (
     _chunk_rows,
     _decay_ratio,
+    _dot,
     _inverse_pointers,
     _load_head_values,
     _load_rows,
@@ -99,15 +100,16 @@ def prepare_chunks(
 
     # T is made in its place in memory, where the backward reads it.
     inverse_pointers = _inverse_pointers(inverse_pointer, chunk, heads, head, CHUNK)
-    tl.store(inverse_pointers, beta[:, None] * tl.dot(k, tl.trans(k)) * _decay_ratio(b, True, CHUNK))
+    key_products = _dot(k, tl.trans(k), k_pointer.dtype.element_ty)
+    tl.store(inverse_pointers, beta[:, None] * key_products * _decay_ratio(b, True, CHUNK))
     tl.debug_barrier()
     _invert_in_place(inverse_pointer + (chunk * heads + head).to(tl.int64) * CHUNK * CHUNK, CHUNK)
     inverse = tl.load(inverse_pointers)
 
-    w = tl.dot(inverse, k * (beta * tl.exp(b))[:, None])
+    kept: tl.constexpr = w_pointer.dtype.element_ty
+    w = _dot(inverse, k * (beta * tl.exp(b))[:, None], kept)
     _store_rows(w_pointer, w, tokens, valid, heads, head, key_size, BLOCK_K, 0)
     for offset in range(0, value_size, BLOCK_V):
         v = _load_rows(v_pointer, tokens, valid, heads, head, value_size, BLOCK_V, offset)
-        _store_rows(
-            u_pointer, tl.dot(inverse, v * beta[:, None]), tokens, valid, heads, head, value_size, BLOCK_V, offset
-        )
+        u = _dot(inverse, v * beta[:, None], kept)
+        _store_rows(u_pointer, u, tokens, valid, heads, head, value_size, BLOCK_V, offset)
