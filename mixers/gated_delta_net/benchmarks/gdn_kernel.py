@@ -83,7 +83,7 @@ LAUNCH_GROUPS = {
     "wy": "WY_GRADIENT_OPTIONS",
 }
 # --launches' block sizes: the attributes of `triton_delta_rule` they set.
-BLOCK_SIZES = {"value_block": "VALUE_BLOCK", "key_block": "KEY_BLOCK"}
+BLOCK_SIZES = {"value_block": "VALUE_BLOCK", "chunk_value_block": "CHUNK_VALUE_BLOCK", "key_block": "KEY_BLOCK"}
 
 
 def launch_settings(text: str) -> dict:
@@ -108,7 +108,7 @@ def launch_settings(text: str) -> dict:
         except ValueError as error:
             raise SystemExit(
                 f"--launches {text}: {error}; the form is "
-                "GROUP=WARPSxSTAGES,value_block=N,key_block=N,intermediates=fp32|bf16"
+                "GROUP=WARPSxSTAGES,value_block=N,chunk_value_block=N,key_block=N,intermediates=fp32|bf16"
             ) from None
     return settings
 

@@ -165,18 +165,19 @@ KEPT_ARGUMENTS = ("w", "u", "states", "new_values", "state_gradients", "new_valu
 INT32_ARGUMENTS = ("cu_seqlens", "chunk_offsets", "chunk_start", "chunk_end")
 
 
-def shared_memory_on_hopper(kernel, options, block_k=None) -> int:
+def shared_memory_on_hopper(kernel, options, block_v, block_k=None) -> int:
     """The shared memory `kernel` needs per block compiled for sm_90 (no GPU needed: Triton compiles for a named
-    target) with the largest blocks the launches use: 128 key channels, 32 value channels, chunks of 64; bf16 inputs,
-    intermediates in INTERMEDIATE_DTYPE; `options` the launch's (num_warps, num_stages); `block_k` the kernel's block
-    of key channels where it takes them in blocks. Arguments are declared divisible by 16, as the launches' are."""
+    target) with the largest blocks the launches use: 128 key channels, `block_v` value channels, chunks of 64; bf16
+    inputs, intermediates in INTERMEDIATE_DTYPE; `options` the launch's (num_warps, num_stages); `block_k` the kernel's
+    block of key channels where it takes them in blocks. Arguments are declared divisible by 16, as the launches'
+    are."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from blockzoo_gated_delta_net.triton_delta_rule import CHUNK_SIZE, INTERMEDIATE_DTYPE, MAX_KEY_SIZE
 
-    constants = {"GROUP": 1, "CHUNK": CHUNK_SIZE, "BLOCK_K": block_k or MAX_KEY_SIZE, "BLOCK_V": 32}
+    constants = {"GROUP": 1, "CHUNK": CHUNK_SIZE, "BLOCK_K": block_k or MAX_KEY_SIZE, "BLOCK_V": block_v}
     constants |= {"HAS_INITIAL": True, "HAS_FINAL_GRADIENT": True}
     signature = {}
     for name in kernel.arg_names:
@@ -211,19 +212,18 @@ def test_the_kernels_fit_a_hopper_gpus_shared_memory():
     from blockzoo_gated_delta_net.triton_forward import chunk_outputs, pass_states
     from blockzoo_gated_delta_net.triton_prepare import prepare_chunks
 
+    # (kernel, launch options, value channels a block, key channels a block where it takes them in blocks)
+    per_chunk, per_pass, key_block = launches.CHUNK_VALUE_BLOCK, launches.VALUE_BLOCK, launches.KEY_BLOCK
     kernels = {
-        "prepare_chunks": (prepare_chunks, launches.PREPARE_OPTIONS),
-        "pass_states": (pass_states, launches.STATE_PASS_OPTIONS),
-        "chunk_outputs": (chunk_outputs, launches.CHUNK_OPTIONS),
-        "chunk_new_value_gradients": (chunk_new_value_gradients, launches.CHUNK_OPTIONS),
-        "pass_state_gradients": (pass_state_gradients, launches.STATE_PASS_OPTIONS),
+        "prepare_chunks": (prepare_chunks, launches.PREPARE_OPTIONS, per_chunk, None),
+        "pass_states": (pass_states, launches.STATE_PASS_OPTIONS, per_pass, None),
+        "chunk_outputs": (chunk_outputs, launches.CHUNK_OPTIONS, per_chunk, None),
+        "chunk_new_value_gradients": (chunk_new_value_gradients, launches.CHUNK_OPTIONS, per_chunk, None),
+        "pass_state_gradients": (pass_state_gradients, launches.STATE_PASS_OPTIONS, per_pass, None),
+        "chunk_key_gradients": (chunk_key_gradients, launches.CHUNK_GRADIENT_OPTIONS, per_chunk, key_block),
+        "chunk_wy_gradients": (chunk_wy_gradients, launches.WY_GRADIENT_OPTIONS, per_chunk, key_block),
     }
-    needs = {name: shared_memory_on_hopper(kernel, options) for name, (kernel, options) in kernels.items()}
-    for name, kernel, options in (
-        ("chunk_key_gradients", chunk_key_gradients, launches.CHUNK_GRADIENT_OPTIONS),
-        ("chunk_wy_gradients", chunk_wy_gradients, launches.WY_GRADIENT_OPTIONS),
-    ):
-        needs[name] = shared_memory_on_hopper(kernel, options, launches.KEY_BLOCK)
+    needs = {name: shared_memory_on_hopper(*arguments) for name, arguments in kernels.items()}
     print(needs)
     assert all(0 < need <= HOPPER_SHARED_MEMORY for need in needs.values()), needs
     # The sequential passes run two programs to a multiprocessor (each block also reserves 1 KiB).

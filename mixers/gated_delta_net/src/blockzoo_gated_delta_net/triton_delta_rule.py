@@ -43,6 +43,7 @@ STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
 CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 1}
 VALUE_BLOCK = 32
+CHUNK_VALUE_BLOCK = 32  # the per-chunk kernels' blocks of value channels (they loop over them)
 KEY_BLOCK = 64
 # The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
 # the backward's gradients of each chunk's state, of u and of W; the dots that read them, and T's products in the
@@ -54,10 +55,8 @@ KEY_BLOCK = 64
 INTERMEDIATE_DTYPE = torch.bfloat16
 
 
-def _blocks(key_size: int, value_size: int) -> tuple[int, int]:
-    block_k = max(MIN_HEAD_SIZE, triton.next_power_of_2(key_size))
-    block_v = max(MIN_HEAD_SIZE, min(VALUE_BLOCK, triton.next_power_of_2(value_size)))
-    return block_k, block_v
+def _value_block(value_size: int, limit: int) -> int:
+    return max(MIN_HEAD_SIZE, min(limit, triton.next_power_of_2(value_size)))
 
 
 def supports(key_size: int, value_size: int, chunk_size: int = CHUNK_SIZE) -> bool:
@@ -99,9 +98,14 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         starts, ends, chunk_offsets = chunk_layout(cu_seqlens, chunk_size, tokens)
         chunks = len(starts)
-        block_k, block_v = _blocks(key_size, value_size)
         sizes = {"heads": heads, "key_heads": key_heads, "key_size": key_size, "value_size": value_size}
-        blocks = {"GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": block_k, "BLOCK_V": block_v}
+        block_k = max(MIN_HEAD_SIZE, triton.next_power_of_2(key_size))
+        # The state passes' blocks of value channels (one program each), and the per-chunk kernels'.
+        blocks = {
+            "GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": block_k,
+            "BLOCK_V": _value_block(value_size, VALUE_BLOCK),
+        }  # fmt: skip
+        chunk_blocks = blocks | {"BLOCK_V": _value_block(value_size, CHUNK_VALUE_BLOCK)}
         fp32 = {"dtype": torch.float32, "device": q.device}
 
         log_decay = torch.empty(tokens, heads, **fp32)
@@ -111,7 +115,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         u = torch.empty(tokens, heads, value_size, **kept)
         if chunks:
             prepare_chunks[(chunks, heads)](
-                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **blocks, **PREPARE_OPTIONS
+                k, v, g, beta, starts, ends, log_decay, inverse, w, u, **sizes, **chunk_blocks, **PREPARE_OPTIONS
             )
 
         final = torch.empty(documents, heads, key_size, value_size, **fp32)
@@ -120,7 +124,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         cu_seqlens = cu_seqlens.to(torch.int32)
         has_initial = initial is not None
         initial_tensor = initial.contiguous() if has_initial else final  # not read without an initial state
-        grid = (documents, heads, triton.cdiv(value_size, block_v))
+        grid = (documents, heads, triton.cdiv(value_size, blocks["BLOCK_V"]))
         if documents:
             pass_states[grid](
                 k, w, u, log_decay, initial_tensor, cu_seqlens, chunk_offsets, final, states, new_values,
@@ -129,12 +133,13 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         output = torch.empty_like(v)
         if chunks:
             chunk_outputs[(chunks, heads)](
-                q, k, log_decay, states, new_values, starts, ends, output, **sizes, **blocks, **CHUNK_OPTIONS
+                q, k, log_decay, states, new_values, starts, ends, output, **sizes, **chunk_blocks, **CHUNK_OPTIONS
             )
         ctx.save_for_backward(
             q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets
         )
-        ctx.settings = (sizes, blocks, has_initial, initial.dtype if has_initial else None, g.dtype, beta.dtype)
+        initial_dtype = initial.dtype if has_initial else None
+        ctx.settings = (sizes, blocks, chunk_blocks, has_initial, initial_dtype, g.dtype, beta.dtype)
         return output, final
 
     @staticmethod
@@ -142,7 +147,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         q, k, v, beta, log_decay, inverse, w, states, new_values, cu_seqlens, starts, ends, chunk_offsets = (
             ctx.saved_tensors
         )
-        sizes, blocks, has_initial, initial_dtype, g_dtype, beta_dtype = ctx.settings
+        sizes, blocks, chunk_blocks, has_initial, initial_dtype, g_dtype, beta_dtype = ctx.settings
         tokens, heads, value_size = v.shape
         key_heads, key_size = q.shape[1:]
         documents, chunks = len(cu_seqlens) - 1, len(starts)
@@ -155,7 +160,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
         if chunks:
             chunk_new_value_gradients[(chunks, heads)](
-                q, k, log_decay, output_gradient, starts, ends, new_value_gradients, **sizes, **blocks,
+                q, k, log_decay, output_gradient, starts, ends, new_value_gradients, **sizes, **chunk_blocks,
                 **CHUNK_OPTIONS,
             )  # fmt: skip
         grid = (documents, heads, triton.cdiv(value_size, blocks["BLOCK_V"]))
@@ -185,12 +190,12 @@ class TritonGatedDeltaRule(torch.autograd.Function):
             chunk_key_gradients[(chunks, heads, key_blocks)](
                 q, k, log_decay, states, new_values, output_gradient, state_gradients, new_value_gradients, starts,
                 ends, q_gradient, k_gradient_part, w_gradient, b_gradient_parts, tokens, **sizes,
-                **(blocks | {"BLOCK_K": key_block}), **CHUNK_GRADIENT_OPTIONS,
+                **(chunk_blocks | {"BLOCK_K": key_block}), **CHUNK_GRADIENT_OPTIONS,
             )  # fmt: skip
             chunk_wy_gradients[(chunks, heads)](
                 k, v, beta, log_decay, inverse, new_value_gradients, w_gradient, b_gradient_parts, starts, ends,
                 k_gradient_part, k_gradient, v_gradient, beta_gradient, g_gradient, tokens, **sizes,
-                **(blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
+                **(chunk_blocks | {"BLOCK_K": key_block}), **WY_GRADIENT_OPTIONS,
             )  # fmt: skip
         q_gradient, k_gradient = (
             (x if group == 1 else x.view(tokens, key_heads, group, key_size).sum(2)).to(q.dtype)
