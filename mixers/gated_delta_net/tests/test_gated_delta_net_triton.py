@@ -117,8 +117,8 @@ def test_the_kernels_match_the_float64_loop():
 
 def test_the_kernels_keeping_bf16_intermediates_match_the_float64_loop():
     """With what the kernels keep between them (W, U, the chunks' states, the new values and their gradients) in bf16,
-    the default (`INTERMEDIATE_DTYPE`; the other checks keep them in fp32): every case within
-    BF16_INTERMEDIATES_TOLERANCE."""
+    the default (`INTERMEDIATE_DTYPE`; the other checks keep them in fp32): every case with bf16 inputs within
+    BF16_INTERMEDIATES_TOLERANCE, and with fp32 inputs (which keep fp32) within fp32's."""
     run_under_interpreter("bf16-intermediates")
 
 
@@ -308,7 +308,10 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "bf16-intermediates":
         triton_delta_rule.INTERMEDIATE_DTYPE = torch.bfloat16
-        failures = check_cases(FAST_CASES, BF16_INTERMEDIATES_TOLERANCE)
+        in_bf16 = [(*case[:6], torch.bfloat16, *case[7:]) for case in FAST_CASES]
+        failures = check_cases(in_bf16, BF16_INTERMEDIATES_TOLERANCE)
+        # fp32 inputs keep fp32 intermediates whatever INTERMEDIATE_DTYPE says: fp32's tolerance.
+        failures += check_cases([case for case in FAST_CASES if case[6] == torch.float32])
     else:
         # Kept in fp32, the kernels' arithmetic is checked to fp32's tolerance (bf16 inputs aside).
         triton_delta_rule.INTERMEDIATE_DTYPE = torch.float32

@@ -51,7 +51,7 @@ KEY_BLOCK = 64
 # fp32 from chunk to chunk). bf16, flash-linear-attention's choice: it halves the memory traffic and shared memory of
 # the kernels that read them and runs their dots at bf16's rate (forward and backward 4.4 against 5.4 ms of GPU time
 # on an H100), while the largest relative error against float64 stays below fla's (3.4e-3 against 3.9e-3; fp32:
-# 2.6e-3). `intermediates=fp32` times fp32.
+# 2.6e-3). `intermediates=fp32` times fp32. Inputs of more precision than it (fp32 training) keep their own.
 INTERMEDIATE_DTYPE = torch.bfloat16
 
 
@@ -110,7 +110,8 @@ class TritonGatedDeltaRule(torch.autograd.Function):
 
         log_decay = torch.empty(tokens, heads, **fp32)
         inverse = torch.empty(chunks, heads, chunk_size, chunk_size, **fp32)
-        kept = {"dtype": INTERMEDIATE_DTYPE, "device": q.device}
+        # Never less precise than the inputs: fp32 inputs keep fp32 (TF32 products), as they did before bf16 kept.
+        kept = {"dtype": torch.promote_types(INTERMEDIATE_DTYPE, v.dtype), "device": q.device}
         w = torch.empty(tokens, heads, key_size, **kept)
         u = torch.empty(tokens, heads, value_size, **kept)
         if chunks:
@@ -154,7 +155,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         fp32 = {"dtype": torch.float32, "device": q.device}
         output_gradient = torch.zeros_like(v) if output_gradient is None else output_gradient.contiguous()
         has_final_gradient = final_gradient is not None
-        kept = {"dtype": states.dtype, "device": q.device}  # the forward's INTERMEDIATE_DTYPE
+        kept = {"dtype": states.dtype, "device": q.device}  # the forward's
         state_gradients = torch.empty(states.shape, **kept)
         new_value_gradients = torch.empty(tokens, heads, value_size, **kept)
         initial_gradient = torch.empty(documents, heads, key_size, value_size, **fp32)
