@@ -83,7 +83,10 @@ LAUNCH_GROUPS = {
     "wy": "WY_GRADIENT_OPTIONS",
 }
 # --launches' block sizes: the attributes of `triton_delta_rule` they set.
-BLOCK_SIZES = {"value_block": "VALUE_BLOCK", "chunk_value_block": "CHUNK_VALUE_BLOCK", "key_block": "KEY_BLOCK"}
+BLOCK_SIZES = {
+    "value_block": "VALUE_BLOCK", "chunk_value_block": "CHUNK_VALUE_BLOCK", "key_block": "KEY_BLOCK",
+    "min_block": "MIN_BLOCK",
+}  # fmt: skip
 
 
 def launch_settings(text: str) -> dict:
@@ -108,7 +111,7 @@ def launch_settings(text: str) -> dict:
         except ValueError as error:
             raise SystemExit(
                 f"--launches {text}: {error}; the form is "
-                "GROUP=WARPSxSTAGES,value_block=N,chunk_value_block=N,key_block=N,intermediates=fp32|bf16"
+                "GROUP=WARPSxSTAGES,value_block=N,chunk_value_block=N,key_block=N,min_block=N,intermediates=fp32|bf16"
             ) from None
     return settings
 

@@ -29,6 +29,7 @@ CHUNK_SIZE = 64
 # their shared memory is sized and checked for Hopper (227 KiB) at 128 key channels, the most they take.
 MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
+MIN_BLOCK = 16  # the fewest channels a block of the kernels takes (smaller heads are masked)
 # Launch options, timed on an H100 at 4 documents × 4096 tokens of 16 heads × 128 (benchmarks/gdn_kernel.py --launches
 # times others) and checked against Hopper's shared memory in the tests (227 KiB a block, 228 a multiprocessor), with
 # bf16 intermediates. The per-chunk kernels run one program per chunk and head (4096 there) and are bound by
@@ -43,7 +44,7 @@ STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
 CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 1}
 VALUE_BLOCK = 32
-CHUNK_VALUE_BLOCK = 32  # the per-chunk kernels' blocks of value channels (they loop over them)
+CHUNK_VALUE_BLOCK = 64  # the per-chunk kernels' blocks of value channels (they loop over them)
 KEY_BLOCK = 64
 # The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
 # the backward's gradients of each chunk's state, of u and of W; the dots that read them, and T's products in the
@@ -56,7 +57,7 @@ INTERMEDIATE_DTYPE = torch.bfloat16
 
 
 def _value_block(value_size: int, limit: int) -> int:
-    return max(MIN_HEAD_SIZE, min(limit, triton.next_power_of_2(value_size)))
+    return max(MIN_BLOCK, min(limit, triton.next_power_of_2(value_size)))
 
 
 def supports(key_size: int, value_size: int, chunk_size: int = CHUNK_SIZE) -> bool:
@@ -99,7 +100,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         starts, ends, chunk_offsets = chunk_layout(cu_seqlens, chunk_size, tokens)
         chunks = len(starts)
         sizes = {"heads": heads, "key_heads": key_heads, "key_size": key_size, "value_size": value_size}
-        block_k = max(MIN_HEAD_SIZE, triton.next_power_of_2(key_size))
+        block_k = max(MIN_BLOCK, triton.next_power_of_2(key_size))
         # The state passes' blocks of value channels (one program each), and the per-chunk kernels'.
         blocks = {
             "GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": block_k,
