@@ -5,7 +5,8 @@ per key head [tokens, key_heads, key_size]; v [tokens, value_heads, value_size];
 [tokens, value_heads]; the packed documents' cu_seqlens; optionally each document's initial state [documents,
 value_heads, key_size, value_size]. It returns (o in v's dtype, the final states in fp32); both are differentiable,
 and so are all inputs. Kernels: `triton_forward` and `triton_backward`. The forward keeps, for the backward, each
-chunk's starting state, T = (I + A)⁻¹ (fp32), W and u (in INTERMEDIATE_DTYPE; the state pass is not recomputed).
+chunk's starting state, T = (I + A)⁻¹ (fp32), W and u (in INTERMEDIATE_DTYPE for 16-bit inputs, fp32 for fp32
+ones; the state pass is not recomputed).
 
 Imports triton: import this module only on CUDA or under TRITON_INTERPRET=1.
 """
@@ -29,35 +30,40 @@ CHUNK_SIZE = 64
 # their shared memory is sized and checked for Hopper (227 KiB) at 128 key channels, the most they take.
 MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
-MIN_BLOCK = 16  # the fewest channels a block of the kernels takes (smaller heads are masked)
+# The fewest channels a block of the per-chunk kernels takes, smaller heads masked. With blocks of 16 or 32 channels
+# their bf16 products gave wrong gradients on an H100 (Triton 3.6; right ones under the interpreter), while the
+# blocks of 64 that heads of 128 take matched float64: small heads take those too. The state passes keep blocks of a
+# head's size (right on the GPU down to 16).
+MIN_BLOCK = 64
 # Launch options, timed on an H100 at 4 documents × 4096 tokens of 16 heads × 128 (benchmarks/gdn_kernel.py --launches
 # times others) and checked against Hopper's shared memory in the tests (227 KiB a block, 228 a multiprocessor), with
 # bf16 intermediates. The per-chunk kernels run one program per chunk and head (4096 there) and are bound by
 # latency, not bandwidth: fewer warps let more programs share a multiprocessor (preparing the chunks took 0.89 ms at
-# 8 warps, 0.32 at 2). The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer registers
-# each): 256 programs there, two to a multiprocessor with two stages of loads (74 and 66 KiB), one wave on 132. The
-# backward's per-chunk gradients take blocks of KEY_BLOCK key channels (56 and 80 KiB; one kernel over whole key
-# heads of 128 needed 214 KiB and ran one program to a multiprocessor).
+# 8 warps, 0.32 at 2), and they loop over blocks of CHUNK_VALUE_BLOCK value channels (64: 2.44 ms of GPU time for a
+# forward and backward, 2.57 at 32). The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer
+# registers each): 256 programs there, two to a multiprocessor with two stages of loads (74 and 66 KiB), one wave on
+# 132. The backward's per-chunk gradients take blocks of KEY_BLOCK key channels (104 and 24 KiB; one kernel over
+# whole key heads of 128 needed 214 KiB and ran one program to a multiprocessor).
 PREPARE_OPTIONS = {"num_warps": 2, "num_stages": 2}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
 STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
 CHUNK_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 3}
 WY_GRADIENT_OPTIONS = {"num_warps": 4, "num_stages": 1}
 VALUE_BLOCK = 32
-CHUNK_VALUE_BLOCK = 64  # the per-chunk kernels' blocks of value channels (they loop over them)
+CHUNK_VALUE_BLOCK = 64
 KEY_BLOCK = 64
 # The dtype of what the kernels keep between them: W, U, each chunk's state and the new values u of the forward, and
 # the backward's gradients of each chunk's state, of u and of W; the dots that read them, and T's products in the
 # backward, take their operands in it (every kernel accumulates in fp32 and carries the state and its gradient in
 # fp32 from chunk to chunk). bf16, flash-linear-attention's choice: it halves the memory traffic and shared memory of
-# the kernels that read them and runs their dots at bf16's rate (forward and backward 4.4 against 5.4 ms of GPU time
-# on an H100), while the largest relative error against float64 stays below fla's (3.4e-3 against 3.9e-3; fp32:
-# 2.6e-3). `intermediates=fp32` times fp32. Inputs of more precision than it (fp32 training) keep their own.
+# the kernels that read them and runs their dots at bf16's rate (with it a forward and backward went from 5.4 to
+# 2.4 ms of GPU time on an H100, fla's 2.5), while the largest relative error against float64 stays fla's (3.9e-3).
+# Inputs of more precision than it (fp32 training) keep their own. `intermediates=fp32` times fp32.
 INTERMEDIATE_DTYPE = torch.bfloat16
 
 
-def _value_block(value_size: int, limit: int) -> int:
-    return max(MIN_BLOCK, min(limit, triton.next_power_of_2(value_size)))
+def _block(size: int, limit: int = MAX_KEY_SIZE) -> int:
+    return max(MIN_HEAD_SIZE, min(limit, triton.next_power_of_2(size)))
 
 
 def supports(key_size: int, value_size: int, chunk_size: int = CHUNK_SIZE) -> bool:
@@ -100,13 +106,15 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         starts, ends, chunk_offsets = chunk_layout(cu_seqlens, chunk_size, tokens)
         chunks = len(starts)
         sizes = {"heads": heads, "key_heads": key_heads, "key_size": key_size, "value_size": value_size}
-        block_k = max(MIN_BLOCK, triton.next_power_of_2(key_size))
-        # The state passes' blocks of value channels (one program each), and the per-chunk kernels'.
+        # The state passes' blocks (one program for each block of value channels), and the per-chunk kernels'.
         blocks = {
-            "GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": block_k,
-            "BLOCK_V": _value_block(value_size, VALUE_BLOCK),
+            "GROUP": heads // key_heads, "CHUNK": chunk_size, "BLOCK_K": _block(key_size),
+            "BLOCK_V": _block(value_size, VALUE_BLOCK),
         }  # fmt: skip
-        chunk_blocks = blocks | {"BLOCK_V": _value_block(value_size, CHUNK_VALUE_BLOCK)}
+        chunk_blocks = blocks | {
+            "BLOCK_K": max(MIN_BLOCK, blocks["BLOCK_K"]),
+            "BLOCK_V": max(MIN_BLOCK, _block(value_size, CHUNK_VALUE_BLOCK)),
+        }
         fp32 = {"dtype": torch.float32, "device": q.device}
 
         log_decay = torch.empty(tokens, heads, **fp32)
@@ -185,7 +193,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
         v_gradient = torch.empty_like(v)
         beta_gradient = torch.empty(tokens, heads, **fp32)
         g_gradient = torch.empty(tokens, heads, **fp32)
-        key_block = min(KEY_BLOCK, blocks["BLOCK_K"])
+        key_block = min(KEY_BLOCK, chunk_blocks["BLOCK_K"])
         key_blocks = triton.cdiv(key_size, key_block)
         b_gradient_parts = torch.empty(key_blocks, tokens, heads, **fp32)
         if chunks:
