@@ -119,7 +119,7 @@ class TritonGatedDeltaRule(torch.autograd.Function):
 
         log_decay = torch.empty(tokens, heads, **fp32)
         inverse = torch.empty(chunks, heads, chunk_size, chunk_size, **fp32)
-        # Never less precise than the inputs: fp32 inputs keep fp32 (TF32 products), as they did before bf16 kept.
+        # Never less precise than the inputs: fp32 inputs keep fp32 (TF32 products), the accuracy a run in fp32 wants.
         kept = {"dtype": torch.promote_types(INTERMEDIATE_DTYPE, v.dtype), "device": q.device}
         w = torch.empty(tokens, heads, key_size, **kept)
         u = torch.empty(tokens, heads, value_size, **kept)
