@@ -7,7 +7,8 @@ states and every input's gradient). Run on a GPU:
 
 `--launches state=4x1,chunk=4x3,value_block=16 ...` times our forward and forward+backward again under other launch
 options (KERNEL=WARPSxSTAGES for the kernels' groups prepare, chunk, state, gradient and wy; value_block and
-key_block: the value and key channels of a program; intermediates=fp32|bf16: what the kernels keep between them);
+key_block: the value and key channels of a program, chunk_value_block the per-chunk kernels' value channels a block,
+min_block the fewest channels a per-chunk block takes; intermediates=fp32|bf16: what the kernels keep between them);
 `--profile` prints where each contender's forward+backward spends its GPU time, by kernel.
 
 fla's forward+backward is timed with its Hopper refusal lifted (`gdn_layer.fla_check_lifted`: a figure of its speed

@@ -26,7 +26,7 @@ FAST_CASES = [
     # still reach one another across its 64 tokens, so every 16-row block of T = (I + A)⁻¹ weighs.
     ((1, 66, 9), 2, 4, 32, 32, False, torch.float32, 0.05),
     ((37, 1), 1, 2, 24, 16, True, torch.bfloat16),  # a key head size that is no power of two
-    ((37, 1), 1, 1, 24, 16, True, torch.bfloat16),  # one value head per key head: q's gradient written in bf16
+    ((37, 1), 1, 1, 24, 16, True, torch.bfloat16),  # one value head per key head: q's and k's gradients written in bf16
     # Strong decays (log decays down to -4 a token): a chunk's cumulative decay passes e^-88 within the document,
     # so the chunk's rows past the document's end must not decay from zero (e^{b_t - b_s} would overflow there).
     ((50, 20), 1, 1, 16, 16, False, torch.float32, 4.0),
@@ -36,7 +36,7 @@ FP32_TOLERANCE = 1e-5
 # bf16 q, k, v and β (the reference sees the same rounded values); the output is rounded to bf16.
 BF16_TOLERANCE = 1e-2
 # With what the kernels keep between them in bf16 too (`INTERMEDIATE_DTYPE`): each gradient passes through two or
-# three bf16 roundings (u, du, the states and their gradients), each up to 2⁻⁸ relative.
+# three bf16 roundings (u, du, the states and their gradients, dW, T's operands), each up to 2⁻⁸ relative.
 BF16_INTERMEDIATES_TOLERANCE = 2e-2
 NAMES = ("q", "k", "v", "g", "beta", "initial")
 
