@@ -32,8 +32,8 @@ MAX_KEY_SIZE = 128
 MIN_HEAD_SIZE = 16
 # The fewest channels a block of the per-chunk kernels takes, smaller heads masked. With blocks of 16 or 32 channels
 # their bf16 products gave wrong gradients on an H100 (Triton 3.6; right ones under the interpreter), while the
-# blocks of 64 that heads of 128 take matched float64: small heads take those too. The state passes keep blocks of a
-# head's size (right on the GPU down to 16).
+# blocks of 64 that heads of 128 take matched float64: small heads take those too (the GPU tests pass with them on an
+# H100). The state passes keep blocks of a head's size (right on the GPU down to 16).
 MIN_BLOCK = 64
 # Launch options, timed on an H100 at 4 documents × 4096 tokens of 16 heads × 128 (benchmarks/gdn_kernel.py --launches
 # times others) and checked against Hopper's shared memory in the tests (227 KiB a block, 228 a multiprocessor), with
