@@ -35,15 +35,14 @@ MIN_HEAD_SIZE = 16
 # blocks of 64 that heads of 128 take matched float64: small heads take those too (the GPU tests pass with them on an
 # H100). The state passes keep blocks of a head's size (right on the GPU down to 16).
 MIN_BLOCK = 64
-# Launch options, timed on an H100 at 4 documents × 4096 tokens of 16 heads × 128 (benchmarks/gdn_kernel.py --launches
-# times others) and checked against Hopper's shared memory in the tests (227 KiB a block, 228 a multiprocessor), with
-# bf16 intermediates. The per-chunk kernels run one program per chunk and head (4096 there) and are bound by
-# latency, not bandwidth: fewer warps let more programs share a multiprocessor (preparing the chunks took 0.89 ms at
-# 8 warps, 0.32 at 2), and they loop over blocks of CHUNK_VALUE_BLOCK value channels (64: 2.44 ms of GPU time for a
-# forward and backward, 2.57 at 32). The state passes take blocks of VALUE_BLOCK value channels (more programs, fewer
-# registers each): 256 programs there, two to a multiprocessor with two stages of loads (74 and 66 KiB), one wave on
-# 132. The backward's per-chunk gradients take blocks of KEY_BLOCK key channels (104 and 24 KiB; one kernel over
-# whole key heads of 128 needed 214 KiB and ran one program to a multiprocessor).
+# Launch options, chosen by timing on an H100 (4 documents × 4096 tokens of 16 heads × 128; `benchmarks/gdn_kernel.py
+# --launches` times others, benchmarks/RESULTS.md keeps the figures) and checked against Hopper's shared memory in the
+# tests (227 KiB a block, 228 a multiprocessor). The per-chunk kernels run one program per chunk and head and are bound
+# by latency, not bandwidth: few warps let more programs share a multiprocessor, and blocks of CHUNK_VALUE_BLOCK value
+# channels halve their loops against 32. The state passes run one program per document, head and block of VALUE_BLOCK
+# value channels: small blocks give more programs (256 there: two to a multiprocessor with two stages of loads, one
+# wave). The backward's per-chunk gradients take blocks of KEY_BLOCK key channels: a whole key head of 128 needed
+# 214 KiB of shared memory, one program to a multiprocessor.
 PREPARE_OPTIONS = {"num_warps": 2, "num_stages": 2}
 CHUNK_OPTIONS = {"num_warps": 4, "num_stages": 2}
 STATE_PASS_OPTIONS = {"num_warps": 4, "num_stages": 2}
@@ -56,10 +55,9 @@ KEY_BLOCK = 64
 # the backward's gradients of each chunk's state, of u and of W; the dots that read them, and T's products in the
 # backward, take their operands in it (every kernel accumulates in fp32 and carries the state and its gradient in
 # fp32 from chunk to chunk). bf16, flash-linear-attention's choice: it halves the memory traffic and shared memory of
-# the kernels that read them and runs their dots at bf16's rate (on an H100 a forward and backward went from 5.4 to
-# 4.4 ms of GPU time by keeping bf16, from 3.6 to 2.6 with the backward's products in it too), while the largest
-# relative error against float64 stays fla's (3.9e-3). Inputs of more precision than it (fp32 training) keep their
-# own. `intermediates=fp32` times fp32.
+# the latency-bound kernels that read them and runs their dots at bf16's rate, while the largest relative error
+# against float64 stays fla's (3.9e-3 at the benchmark's shape). Inputs of more precision (fp32 training) keep their
+# own. `--launches intermediates=fp32` times fp32.
 INTERMEDIATE_DTYPE = torch.bfloat16
 
 
