@@ -13,7 +13,8 @@ Cases (all by default):
 - `swiglu-16384x8192` (tokens × ffn): blockzoo's dense MLP gating silu(gate) · up of the gate‖up projection; liger
   `liger_swiglu`.
 - `ce-128256`, `ce-50288` (16384 tokens, hidden 2048, vocab 128256 / 50288): the loss summed over the tokens from
-  the last hidden states and the fp32 output weight: ours `blockzoo.layers.cross_entropy.linear_cross_entropy`;
+  the last hidden states and the fp32 output weight: ours `blockzoo.layers.cross_entropy.linear_cross_entropy`, its
+  chunks' elementwise part compiled (the default) and through its Triton kernel (`kernel="triton"`);
   materialized logits (bf16) then F.cross_entropy in fp32 (what the model ran before), eager and compiled; liger's
   cross-entropy on the materialized logits and its fused linear cross-entropy.
 - `conv-16384`, `conv-32768` (tokens in documents of 4096; 4352 channels = mamba2-1.3b's x‖B‖C, kernel 4, silu):
@@ -287,12 +288,14 @@ class Suite:
         labels = torch.randint(0, vocab, (tokens,), device=self.device, generator=self.generator)
         labels[:: max(tokens // 64, 1)] = -100  # a few ignored, as at document ends
 
-        def ours() -> Callable:
+        def ours(kernel: str | None = None) -> Callable:
             try:
                 from blockzoo.layers.cross_entropy import linear_cross_entropy
             except ImportError as error:
                 raise harness.Absent(f"blockzoo has no fused linear cross-entropy: {error}") from None
-            return lambda hidden, weight: linear_cross_entropy(hidden, weight, labels)
+            if kernel == "triton" and self.device.type != "cuda":
+                raise harness.Absent("the Triton chunk kernel runs on CUDA")
+            return lambda hidden, weight: linear_cross_entropy(hidden, weight, labels, kernel=kernel)
 
         def materialized(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             logits = F.linear(hidden, weight.to(hidden.dtype))
@@ -312,6 +315,7 @@ class Suite:
             [hidden_states, weight],
             [
                 ("ours (blockzoo linear_cross_entropy)", ours, True),
+                ("ours, the Triton chunk kernel", lambda: ours("triton"), True),
                 ("materialized logits, eager", lambda: materialized, False),
                 ("materialized logits, torch.compile", lambda: compiled(materialized), False),
                 ("liger cross_entropy (materialized logits)", liger_cross_entropy, False),

@@ -3,6 +3,7 @@ materialized logits: loss, gradients of the hidden states and of the weight; ign
 the tokens, padding rows, bf16, the no-grad path, and the bound on a chunk's logits. The vocabulary-parallel cases are
 in test_vocab_parallel.py; a GPU test compares the fused loss with the materialized one at a Llama-1B shape."""
 
+import functools
 import time
 
 import pytest
@@ -178,6 +179,18 @@ def test_bad_inputs_are_refused(change, message):
         linear_cross_entropy(arguments["hidden"], arguments["weight"], arguments["labels"], chunk_tokens=chunk)
 
 
+def test_an_unknown_or_unavailable_kernel_is_refused(monkeypatch):
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match=r"kernel 'fast' .*; expected one of plain, compiled, triton"):
+        linear_cross_entropy(hidden, weight, labels, kernel="fast")
+    monkeypatch.setenv(cross_entropy.KERNEL_VARIABLE, "fast")
+    with pytest.raises(ValueError, match=f"kernel 'fast' \\(the argument or {cross_entropy.KERNEL_VARIABLE}\\)"):
+        linear_cross_entropy(hidden, weight, labels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"the triton kernel needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
+        linear_cross_entropy(hidden, weight, labels, kernel="triton")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # GPU: a Llama-1B head (hidden 2048, vocab 128256) over 8192 or 16384 tokens, bf16.
 
@@ -210,12 +223,12 @@ def _measure(function, hidden, weight, labels) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.gpu
-def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory(monkeypatch):
+def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory():
     """bf16 compute, fp32 master weight. Against the fp32 materialized reference (the same bf16 inputs, fp32
     products): the loss within 1e-3 (bf16 logits, see test_bf16_inputs), the gradients within 2e-2 of their largest
     entry. Peak memory of forward + backward (above the inputs) well below the materialized bf16 path's (which holds
-    [tokens, vocab] logits in bf16 and fp32 and their gradient). Times and peaks are printed (run with -s), for the
-    compiled and the plain elementwise part, so the GPU run can tell whether compiling wins."""
+    [tokens, vocab] logits in bf16 and fp32 and their gradient). Times and peaks are printed (run with -s) for each
+    way of computing a chunk's elementwise part (plain, compiled, the Triton kernel)."""
     device = torch.device("cuda")
     tokens, hidden_size, vocab = 16384, 2048, 128256  # 4 chunks of 4096 tokens (at 8192, two: 0.52x)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -232,10 +245,10 @@ def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory(monke
     expected_hidden, expected_weight = expected_hidden.clone(), expected_weight.clone()
     *_, materialized_seconds, materialized_peak = _measure(_materialized, hidden, weight, labels)
     results = {}
-    for compiled in (True, False):
-        monkeypatch.setattr(cross_entropy, "COMPILE_ON_CUDA", compiled)
-        loss, grad_hidden, grad_weight, seconds, peak = _measure(linear_cross_entropy, hidden, weight, labels)
-        results[compiled] = (seconds, peak)
+    for kernel in cross_entropy.KERNELS:
+        fused = functools.partial(linear_cross_entropy, kernel=kernel)
+        loss, grad_hidden, grad_weight, seconds, peak = _measure(fused, hidden, weight, labels)
+        results[kernel] = (seconds, peak)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-3, atol=0)
         for grad, expected in ((grad_hidden, expected_hidden), (grad_weight, expected_weight)):
             scale = float(expected.abs().max())
@@ -245,8 +258,8 @@ def test_gpu_fused_matches_the_materialized_fp32_loss_with_far_less_memory(monke
         f"\nhead of {tokens} tokens x {hidden_size} -> {vocab}, forward + backward:"
         f"\n  materialized bf16/fp32: {materialized_seconds * 1e3:.1f} ms, peak {materialized_peak / 2**30:.2f} GiB"
         + "".join(
-            f"\n  fused ({'compiled' if compiled else 'plain'}): {seconds * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB"
-            for compiled, (seconds, peak) in results.items()
+            f"\n  fused ({kernel}): {seconds * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB"
+            for kernel, (seconds, peak) in results.items()
         )
     )
 

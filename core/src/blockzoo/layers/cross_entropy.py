@@ -14,14 +14,18 @@ of two numbers per token), the target logit comes from the rank whose columns ho
 same on every rank. Each rank's hidden-state gradient covers its columns only: the input enters the tensor
 region (`copy_to_tensor_region`, or under sequence-tensor-parallel `gather_tokens`), whose backward sums it.
 
-The fp32 elementwise work of a chunk is plain PyTorch; on CUDA it goes through `torch.compile` (`COMPILE_ON_CUDA`),
-which fuses it into a few kernels that read the compute-dtype logits once or twice.
+The fp32 elementwise work of a chunk is plain PyTorch; on CUDA it goes through `torch.compile` (`CUDA_KERNEL`),
+which fuses it into a few kernels that read the compute-dtype logits once or twice. A single process's chunk may
+instead take one Triton kernel (`cross_entropy_kernel`) that writes the gradient over the logits: `kernel="triton"`
+or BLOCKZOO_CROSS_ENTROPY_KERNEL=triton.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 
 import attrs
 import torch
@@ -36,9 +40,14 @@ from blockzoo.layers.base import IGNORE_INDEX
 CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**29}
 DEFAULT_CHUNK_ELEMENTS = 2**24
 
-# Compile the elementwise fp32 part of a chunk on CUDA (never on the CPU: no gain measured there, and the compile
-# time would dominate the tests).
-COMPILE_ON_CUDA = True
+# How the elementwise fp32 part of a chunk is computed: "plain" PyTorch, "compiled" (torch.compile of the same
+# functions) or "triton" (a single process's chunks through `cross_entropy_kernel`; the vocabulary-parallel
+# statistics stay as on that device). On the CPU plain (no gain measured from compiling there, and the compile time
+# would dominate the tests); on CUDA `CUDA_KERNEL`, compiled until the Triton kernel is timed faster on a GPU
+# (`benchmarks/kernels.py --cases ce-128256` times both). KERNEL_VARIABLE, or the `kernel` argument, chooses one.
+KERNELS = ("plain", "compiled", "triton")
+CUDA_KERNEL = "compiled"
+KERNEL_VARIABLE = "BLOCKZOO_CROSS_ENTROPY_KERNEL"
 
 
 def linear_cross_entropy(
@@ -53,6 +62,7 @@ def linear_cross_entropy(
     sequence_parallel: bool = False,
     chunk_tokens: int | None = None,
     return_token_losses: bool = False,
+    kernel: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy of the logits `hidden @ weight.T`, summed over the tokens whose label is not `ignore_index`
     (fp32, whatever the compute dtype), differentiable with respect to `hidden` and `weight`.
@@ -66,6 +76,8 @@ def linear_cross_entropy(
     parallel); they are gathered from the group first and the loss covers all of them. `chunk_tokens`: tokens per
     chunk (default: from the sizes, see `CHUNK_ELEMENTS`). `return_token_losses`: also return the loss of each
     token `[tokens]` (all of the group's under `sequence_parallel`; zero where ignored; not differentiable).
+    `kernel`: how a chunk's elementwise part is computed, one of `KERNELS` (default: KERNEL_VARIABLE where set, else
+    plain on the CPU and `CUDA_KERNEL` on CUDA).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or labels.ndim != 1:
         raise ValueError(
@@ -79,6 +91,7 @@ def linear_cross_entropy(
         )
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be at least 1, got {chunk_tokens}")
+    kernel = _chosen_kernel(kernel, hidden.device)
     parallel = tensor_group is not None and tensor_group.size() > 1
     if not parallel:
         tensor_group = None
@@ -96,6 +109,7 @@ def linear_cross_entropy(
         vocab_start=vocab_start,
         valid_rows=max(0, min(weight.shape[0], vocab_size - vocab_start)),
         chunk_tokens=chunk_tokens,
+        kernel=kernel,
     )
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, token_losses = _LinearCrossEntropy.apply(hidden, weight, labels, options)
@@ -103,6 +117,21 @@ def linear_cross_entropy(
         token_losses, _, _ = _chunked(hidden, weight, labels, options, hidden_gradient=False, weight_gradient=False)
         loss = token_losses.sum()
     return (loss, token_losses) if return_token_losses else loss
+
+
+def _chosen_kernel(requested: str | None, device: torch.device) -> str:
+    """`requested`, else KERNEL_VARIABLE's value, else the device's default; refused where it cannot run."""
+    kernel = requested or os.environ.get(KERNEL_VARIABLE) or (CUDA_KERNEL if device.type == "cuda" else "plain")
+    if kernel not in KERNELS:
+        raise ValueError(
+            f"linear_cross_entropy: kernel {kernel!r} (the argument or {KERNEL_VARIABLE}); expected one of "
+            + ", ".join(KERNELS)
+        )
+    if kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("linear_cross_entropy: the triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
+    if kernel == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("linear_cross_entropy: the triton kernel needs the triton package (pip install triton)")
+    return kernel
 
 
 def _check_labels(labels: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
@@ -128,6 +157,7 @@ class _Options:
     vocab_start: int
     valid_rows: int  # this rank's rows that are not padding
     chunk_tokens: int | None
+    kernel: str
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -180,7 +210,7 @@ def _chunked(
         grad_hidden = torch.empty_like(hidden) if valid else torch.zeros_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_gradient else None
     gradients = hidden_gradient or weight_gradient
-    statistics, softmax_gradient, loss_and_gradient = _elementwise(hidden.device)
+    statistics, softmax_gradient, loss_and_gradient = _elementwise(options.kernel, hidden.device)
     # From the rows, not the valid rows: every rank of the group must cut the same chunks (their statistics meet).
     chunk = _chunk_tokens(tokens, weight.shape[0], hidden.device, options.chunk_tokens)
     for start in range(0, tokens, chunk):
@@ -307,10 +337,16 @@ _PLAIN = (_statistics, _softmax_gradient, _loss_and_gradient)
 _compiled: tuple | None = None
 
 
-def _elementwise(device: torch.device) -> tuple:
-    """The elementwise functions for `device`: compiled on CUDA when `COMPILE_ON_CUDA`, else plain."""
+def _elementwise(kernel: str, device: torch.device) -> tuple:
+    """(statistics, softmax_gradient, loss_and_gradient) for `kernel`; with "triton" the first two (the
+    vocabulary-parallel path's) are compiled on CUDA, plain elsewhere."""
     global _compiled
-    if device.type != "cuda" or not COMPILE_ON_CUDA:
+    if kernel == "triton":
+        from blockzoo.layers.cross_entropy_kernel import loss_and_gradient
+
+        others = "compiled" if device.type == "cuda" else "plain"
+        return (*_elementwise(others, device)[:2], loss_and_gradient)
+    if kernel == "plain":
         return _PLAIN
     if _compiled is None:
         statistics, softmax_gradient, loss_and_gradient = _PLAIN
