@@ -3,20 +3,25 @@
 A setting is what `--ours` takes: `compile=blocks,recompute=selective` (keys without a dot are `training.` fields;
 dotted keys are paths from the run config's root, e.g. `training.recompute_blocks.attn=full`), or `default`. A
 setting this blockzoo does not know makes the contender absent (the config names the field), not the run fail.
+Keys `env.NAME` set an environment variable while the contender is built and timed, for choices that are not config
+fields (e.g. `env.BLOCKZOO_CROSS_ENTROPY_KERNEL=triton`), so they are timed in the same process as the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from benchmarks.harness import Absent, Timing
 
+ENVIRONMENT = "env."
 
-def overrides(setting: str) -> list[str]:
-    """`key=value` overrides of a setting, each a path from the run config's root."""
+
+def _items(setting: str) -> list[tuple[str, str]]:
     if setting.strip() in ("", "default"):
         return []
     found = []
@@ -24,8 +29,33 @@ def overrides(setting: str) -> list[str]:
         key, separator, value = item.strip().partition("=")
         if not separator or not key:
             raise ValueError(f"a setting is key=value[,key=value...], got {item!r} in {setting!r}")
-        found.append(f"{key if '.' in key else 'training.' + key}={value}")
+        found.append((key, value))
     return found
+
+
+def overrides(setting: str) -> list[str]:
+    """`key=value` overrides of a setting, each a path from the run config's root."""
+    return [
+        f"{key if '.' in key else 'training.' + key}={value}"
+        for key, value in _items(setting)
+        if not key.startswith(ENVIRONMENT)
+    ]
+
+
+@contextlib.contextmanager
+def environment(setting: str) -> Iterator[None]:
+    """The setting's `env.NAME=value` items set in the environment within, as they were after."""
+    changes = {key.removeprefix(ENVIRONMENT): value for key, value in _items(setting) if key.startswith(ENVIRONMENT)}
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def contender_name(setting: str) -> str:
@@ -132,8 +162,9 @@ def timed_training(
     """Our model of the `model:` config in `setting`, built as the trainer builds it, its bare step on `tokens`
     timed by `time(step)`, its step-0 loss checked against `reference`."""
     config = run_config(model, setting, rows=len(tokens), length=tokens.shape[1])
-    built, optimizer = build(config)
-    timing = time(bare_step(built, optimizer, tokens, cuda_graphs=uses_cuda_graphs(config)))
+    with environment(setting):
+        built, optimizer = build(config)
+        timing = time(bare_step(built, optimizer, tokens, cuda_graphs=uses_cuda_graphs(config)))
     timing.extra = loss_check(timing.first_value, reference, tolerance)
     return timing
 

@@ -104,10 +104,11 @@ class Suite:
             mfu=True,
         )
         for setting in settings:
-            trainer = self.runner.run(
-                case, f"Trainer ({setting})", lambda s=setting: self.trainer(case_name, s), ours=True
-            )
-            bare = self.runner.run(case, f"bare step ({setting})", lambda s=setting: self.bare(case_name, s))
+            with ours.environment(setting):
+                trainer = self.runner.run(
+                    case, f"Trainer ({setting})", lambda s=setting: self.trainer(case_name, s), ours=True
+                )
+                bare = self.runner.run(case, f"bare step ({setting})", lambda s=setting: self.bare(case_name, s))
             if trainer.ok and bare.ok:
                 overhead = trainer.median_s / bare.median_s - 1
                 case.notes.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -317,6 +318,25 @@ def test_settings_become_run_config_overrides():
     assert ours.overrides("default") == []
     with pytest.raises(ValueError, match="key=value"):
         ours.overrides("compile")
+
+
+def test_env_items_set_the_environment_while_the_contender_is_built_and_timed(monkeypatch):
+    variable = "BLOCKZOO_CROSS_ENTROPY_KERNEL"
+    monkeypatch.delenv(variable, raising=False)
+    setting = f"{FP32},env.{variable}=fast"
+    assert ours.overrides(setting) == [FP32]
+    tokens = ours.random_tokens(2, 8, shapes.LLAMA_TINY.vocab, torch.device("cpu"))
+
+    def time(step):
+        return harness.time_steps(step, warmup=1, steps=1, device=torch.device("cpu"))
+
+    with pytest.raises(ValueError, match="kernel 'fast'"):  # the step's loss read the variable
+        ours.timed_training(shapes.llama_model(shapes.LLAMA_TINY), setting, tokens, time, None, 1e-3)
+    assert variable not in os.environ
+    monkeypatch.setenv(variable, "plain")
+    with ours.environment(f"env.{variable}=triton"):
+        assert os.environ[variable] == "triton"
+    assert os.environ[variable] == "plain"
 
 
 def test_a_setting_this_blockzoo_refuses_makes_the_contender_absent():
