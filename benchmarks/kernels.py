@@ -52,6 +52,9 @@ import torch.nn.functional as F
 from benchmarks import harness
 
 SUITE = "kernels"
+# The Triton cross-entropy chunk's launches timed: (columns a block, warps); fewer, larger programs keep fewer rows in
+# flight, so more of each is still in L2 when the gradient pass reads it again.
+CROSS_ENTROPY_LAUNCHES = [(4096, 8), (8192, 16), (16384, 32)]
 EPSILON = 1e-5
 Q_HEADS, KV_HEADS, DOCUMENT = 32, 8, 4096
 CONV_CHANNELS, CONV_KERNEL, CONV_OFFSET, IN_PROJ = 4352, 4, 4096, 8512  # mamba2-1.3b: in_proj = [z, x‖B‖C, dt]
@@ -288,14 +291,27 @@ class Suite:
         labels = torch.randint(0, vocab, (tokens,), device=self.device, generator=self.generator)
         labels[:: max(tokens // 64, 1)] = -100  # a few ignored, as at document ends
 
-        def ours(kernel: str | None = None) -> Callable:
+        def ours(kernel: str | None = None, launch: tuple[int, int] | None = None) -> Callable:
+            """`launch`: the Triton chunk kernel's (columns a block, warps), set around each call."""
             try:
                 from blockzoo.layers.cross_entropy import linear_cross_entropy
             except ImportError as error:
                 raise harness.Absent(f"blockzoo has no fused linear cross-entropy: {error}") from None
-            if kernel == "triton" and self.device.type != "cuda":
+            if kernel != "triton":
+                return lambda hidden, weight: linear_cross_entropy(hidden, weight, labels, kernel=kernel)
+            if self.device.type != "cuda":
                 raise harness.Absent("the Triton chunk kernel runs on CUDA")
-            return lambda hidden, weight: linear_cross_entropy(hidden, weight, labels, kernel=kernel)
+            from blockzoo.layers import cross_entropy_kernel as chunk_kernel
+
+            def run(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                saved = chunk_kernel.BLOCK, chunk_kernel.WARPS
+                chunk_kernel.BLOCK, chunk_kernel.WARPS = launch
+                try:
+                    return linear_cross_entropy(hidden, weight, labels, kernel="triton")
+                finally:
+                    chunk_kernel.BLOCK, chunk_kernel.WARPS = saved
+
+            return run
 
         def materialized(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             logits = F.linear(hidden, weight.to(hidden.dtype))
@@ -315,7 +331,14 @@ class Suite:
             [hidden_states, weight],
             [
                 ("ours (blockzoo linear_cross_entropy)", ours, True),
-                ("ours, the Triton chunk kernel", lambda: ours("triton"), True),
+                *(
+                    (
+                        f"ours, the Triton chunk kernel ({block} columns × {warps} warps)",
+                        functools.partial(ours, "triton", (block, warps)),
+                        True,
+                    )
+                    for block, warps in CROSS_ENTROPY_LAUNCHES
+                ),
                 ("materialized logits, eager", lambda: materialized, False),
                 ("materialized logits, torch.compile", lambda: compiled(materialized), False),
                 ("liger cross_entropy (materialized logits)", liger_cross_entropy, False),

@@ -104,20 +104,23 @@ def test_the_kernel_matches_float64():
 
 
 def test_the_kernel_compiles_for_a_hopper_gpu():
-    """Compiled for sm_90 with bf16 logits and the launch's block and warps (Triton compiles for a named target
-    without a GPU; the interpreter checks neither the types the compiler infers nor the shared memory)."""
+    """Compiled for sm_90 with bf16 logits at the default launch and those the kernels suite times (Triton compiles
+    for a named target without a GPU; the interpreter checks neither the types the compiler infers nor the shared
+    memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from benchmarks.kernels import CROSS_ENTROPY_LAUNCHES
     from blockzoo.layers import cross_entropy_kernel as launch
 
     kernel = launch._loss_and_gradient_kernel
     types = {"logits_pointer": "*bf16", "targets_pointer": "*i64", "labelled_pointer": "*i1", "lse_pointer": "*fp32"}
     types |= {"target_logit_pointer": "*fp32", "row_stride": "i64", "columns": "i32", "BLOCK": "constexpr"}
-    source = ASTSource(kernel, {name: types[name] for name in kernel.arg_names}, constexprs={"BLOCK": launch.BLOCK})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": launch.WARPS})
-    assert 0 <= compiled.metadata.shared <= 227 * 1024
+    for block, warps in {(launch.BLOCK, launch.WARPS), *CROSS_ENTROPY_LAUNCHES}:
+        source = ASTSource(kernel, {name: types[name] for name in kernel.arg_names}, constexprs={"BLOCK": block})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert 0 <= compiled.metadata.shared <= 227 * 1024, (block, warps, compiled.metadata.shared)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ of the compute-dtype logits, and the gradient softmax − one-hot written over t
 
 One program per row reads the row twice, once for the log-sum-exp (an online maximum and sum over blocks of
 columns) and once to write the gradient: two reads and one write of the logits, the least a row too long for one
-program's registers allows, and no new `[tokens, vocabulary]` tensor. `blockzoo.layers.cross_entropy` takes it for
-a single process's chunks when asked (`kernel="triton"`, or BLOCKZOO_CROSS_ENTROPY_KERNEL=triton). Runs on CPU
-tensors under TRITON_INTERPRET=1 (the tests).
+program's registers allows, and no new `[tokens, vocabulary]` tensor. The second pass walks the row backwards and
+the first asks the cache to keep what it read, so that the second finds the row's end, read last, still in L2.
+`blockzoo.layers.cross_entropy` takes it for a single process's chunks when asked (`kernel="triton"`, or
+BLOCKZOO_CROSS_ENTROPY_KERNEL=triton). Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns a program reads at once, and its warps: 16 bf16 values a thread, loaded as two 16-byte vectors.
+# Columns a program reads at once, and its warps: 16 bf16 values a thread, loaded as two 16-byte vectors. Fewer,
+# larger programs keep fewer rows in flight (more of each in L2 for the second pass): benchmarks/kernels.py times
+# other shapes.
 BLOCK = 4096
 WARPS = 8
 
@@ -38,7 +41,8 @@ def _loss_and_gradient_kernel(
     total = 0.0
     for start in range(0, columns, BLOCK):
         block = start + offsets
-        values = tl.load(row_pointer + block, mask=block < columns, other=float("-inf")).to(tl.float32)
+        values = tl.load(row_pointer + block, mask=block < columns, other=float("-inf"), eviction_policy="evict_last")
+        values = values.to(tl.float32)
         new_maximum = tl.maximum(maximum, tl.max(values, 0))
         total = total * tl.exp(maximum - new_maximum) + tl.sum(tl.exp(values - new_maximum), 0)
         maximum = new_maximum
@@ -51,20 +55,27 @@ def _loss_and_gradient_kernel(
 
     # exp(x − inf) = 0: an ignored token's row of the gradient is zero.
     shift = tl.where(tl.load(labelled_pointer + row), lse, float("inf"))
-    for start in range(0, columns, BLOCK):
-        block = start + offsets
+    blocks = tl.cdiv(columns, BLOCK)
+    for index in range(0, blocks):
+        block = (blocks - 1 - index) * BLOCK + offsets
         inside = block < columns
-        values = tl.load(row_pointer + block, mask=inside, other=0.0).to(tl.float32)
+        values = tl.load(row_pointer + block, mask=inside, other=0.0, eviction_policy="evict_first").to(tl.float32)
         gradient = tl.exp(values - shift) - (block == target).to(tl.float32)
         tl.store(row_pointer + block, gradient.to(logits_pointer.dtype.element_ty), mask=inside)
 
 
 def loss_and_gradient(
-    logits: torch.Tensor, targets: torch.Tensor, labelled: torch.Tensor, *, block: int = BLOCK
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    labelled: torch.Tensor,
+    *,
+    block: int | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 log-sum-exp of each row, the row's target logit or 0 where its target is -1, the gradient) of `logits`
     `[tokens, columns]`, as `cross_entropy._loss_and_gradient` computes them; the gradient (softmax − one-hot, zero
-    for a row not `labelled`) is written over `logits`, which is returned."""
+    for a row not `labelled`) is written over `logits`, which is returned. `block`, `warps`: the launch's (default
+    BLOCK and WARPS)."""
     if logits.ndim != 2 or logits.stride(1) != 1:
         raise ValueError(f"the logits must be a matrix of contiguous rows, got shape {tuple(logits.shape)}")
     rows, columns = logits.shape
@@ -79,7 +90,7 @@ def loss_and_gradient(
             labelled.contiguous(),
             lse,
             target_logit,
-            BLOCK=min(block, triton.next_power_of_2(columns)),
-            num_warps=WARPS,
+            BLOCK=min(block or BLOCK, triton.next_power_of_2(columns)),
+            num_warps=warps or WARPS,
         )
     return lse, target_logit, logits
