@@ -19,6 +19,11 @@
 set -euo pipefail
 dest=${1:-.whl}
 limit_mib=64
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "make_wheels.sh: $(command -v python3) has no torch, which mamba-ssm's build imports: activate an environment" \
+    "with torch (pip install torch==2.13.0) and run it again" >&2
+  exit 2
+fi
 mkdir -p "$dest"
 python3 -m pip install -q wheel setuptools packaging ninja
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$dest" cattrs==26.2.1 \
