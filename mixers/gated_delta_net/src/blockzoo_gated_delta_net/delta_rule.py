@@ -94,10 +94,10 @@ def choose_kernel(q: torch.Tensor, v: torch.Tensor, *tensors: torch.Tensor, chun
     On the CPU, torch. On CUDA, flash-linear-attention's kernel wherever it may run: installed, and, when a gradient
     will be wanted of the inputs, its backward not refused (fla 0.6 refuses it on Hopper with Triton 3.6); else
     blockzoo's Triton kernels (chunks of 16, 32 or 64 tokens, key heads of 16 to 128 channels, value heads of at
-    least 16); else torch. fla first where both may run (its kernels are tuned across GPUs; ours have been timed
-    against them on an H100 only). The environment variable BLOCKZOO_GATED_DELTA_NET_KERNEL=fla|triton|torch forces
-    one (a kernel that cannot run here raises); "triton" also runs on CPU tensors under TRITON_INTERPRET=1 (the
-    tests)."""
+    least 16); else torch. fla first where both may run (its kernels autotune their launches on each GPU; ours
+    have been timed against them on an H100 only). The environment variable
+    BLOCKZOO_GATED_DELTA_NET_KERNEL=fla|triton|torch forces one (a kernel that cannot run here raises); "triton" also
+    runs on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
     forced = os.environ.get(KERNEL_VARIABLE, "auto")
     if forced not in KERNELS:
         raise ValueError(f"{KERNEL_VARIABLE}={forced!r}: expected one of {', '.join(KERNELS)}")
