@@ -14,7 +14,8 @@ Cases (all by default):
   `liger_swiglu`.
 - `ce-128256`, `ce-50288` (16384 tokens, hidden 2048, vocab 128256 / 50288): the loss summed over the tokens from
   the last hidden states and the fp32 output weight: ours `blockzoo.layers.cross_entropy.linear_cross_entropy`, its
-  chunks' elementwise part compiled (the default) and through its Triton kernel (`kernel="triton"`);
+  chunks' elementwise part through its Triton kernel (the default on CUDA) at several launches and compiled
+  (`kernel="compiled"`: torch.compile of the plain code, which the kernel must beat);
   materialized logits (bf16) then F.cross_entropy in fp32 (what the model ran before), eager and compiled; liger's
   cross-entropy on the materialized logits and its fused linear cross-entropy.
 - `conv-16384`, `conv-32768` (tokens in documents of 4096; 4352 channels = mamba2-1.3b's x‖B‖C, kernel 4, silu):
@@ -331,6 +332,7 @@ class Suite:
             [hidden_states, weight],
             [
                 ("ours (blockzoo linear_cross_entropy)", ours, True),
+                ("ours, the compiled chunk", functools.partial(ours, "compiled"), True),
                 *(
                     (
                         f"ours, the Triton chunk kernel ({block} columns × {warps} warps)",
