@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [examples/gpu_hybrid.yaml] [--steps 6] [--warmup 4] [--top 15]
         [--trace DIR] [KEY=VALUE ...]
+    python benchmarks/profile_step.py --llama 4x4096 [KEY=VALUE ...]   (llama.py's Llama-1B, bare step)
 
 For each of the two (the Trainer with a log line per step; the bare step of benchmarks/ours.py), after `--warmup`
 steps it profiles `--steps` steps (the bare step: one document per row; the Trainer: the config's data, or whole rows
@@ -32,7 +33,7 @@ if __package__ in (None, ""):  # `python benchmarks/profile_step.py`: see llama.
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import harness, ours
+from benchmarks import harness, ours, shapes
 from benchmarks.trainer import STEP_LINE
 
 
@@ -56,9 +57,32 @@ def busy_seconds(events) -> float:
     return busy / 1e6  # microseconds
 
 
+# Kernel names → what they compute, for the per-step summary (first match wins).
+KERNEL_KINDS = [
+    ("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm")),
+    ("attention", ("cudnn", "flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("Triton (inductor's and ours)", ("triton",)),
+]
+
+
+def kernel_kinds(events) -> dict[str, float]:
+    """GPU time in seconds by KERNEL_KINDS (the rest as "other")."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
+        totals[kind] = totals.get(kind, 0.0) + (event.time_range.end - event.time_range.start) / 1e6
+    return totals
+
+
 def report(name: str, profiler, steps: int, wall_s: float, top: int, trace: Path | None) -> None:
     events = profiler.events()
     print(f"\n## {name}: {wall_s / steps * 1e3:.1f} ms per step, GPU busy {busy_seconds(events) / steps * 1e3:.1f} ms")
+    kinds = sorted(kernel_kinds(events).items(), key=lambda item: -item[1])
+    print("   GPU time per step: " + ", ".join(f"{kind} {seconds / steps * 1e3:.2f} ms" for kind, seconds in kinds))
     averages = profiler.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
     print(averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
@@ -211,12 +235,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="the Trainer's random data in whole rows, as the bare step's (else documents of random lengths)",
     )
+    command.add_argument(
+        "--llama",
+        metavar="ROWSxLENGTH",
+        help="profile the bare step of benchmarks/llama.py's Llama-1B in bf16 instead of a config file's model; "
+        "the KEY=VALUE overrides apply to it (e.g. training.compile=blocks training.fp8.recipe=tensorwise)",
+    )
     arguments = command.parse_args(argv)
     if not arguments.phases and not torch.cuda.is_available():
         command.error("the profiled steps run on a CUDA GPU; --phases also runs on the CPU")
     from blockzoo.config import load as load_config
     from blockzoo.run_config import RunConfig
 
+    if arguments.llama:
+        if "=" in arguments.config:  # no config file: the first override was taken for it
+            arguments.overrides.insert(0, arguments.config)
+        rows, _, length = arguments.llama.partition("x")
+        model = shapes.llama_model(shapes.LLAMA_1B)
+        profile_bare(
+            ours.run_config(model, ",".join(arguments.overrides), rows=int(rows), length=int(length)), arguments
+        )
+        return
     if arguments.phases:
         trainer_phases(arguments.config, arguments.overrides, arguments)
         return
