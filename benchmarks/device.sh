@@ -111,6 +111,7 @@ for requested in "$@"; do
   fi
   echo "# $name $arguments: up to $limit s"
   log=$OUT/$(basename "$name" .py).log
+  for ((copy = 2; ; copy++)); do [[ -e $log ]] || break; log=$OUT/$(basename "$name" .py)-$copy.log; done  # named twice
   command=(python3 "benchmarks/$name.py" --json "$OUT/$name.jsonl")
   [[ $name == *.py ]] && command=(python3 "$name")
   # shellcheck disable=SC2086 # the suite's arguments are words
@@ -144,6 +145,7 @@ for requested in "$@"; do
   name=${requested%%:*}
   echo "## $requested: exit ${status[$requested]:-not run}"
   log=$OUT/$(basename "$name" .py).log
+  for ((copy = 2; ; copy++)); do [[ -e $log ]] || break; log=$OUT/$(basename "$name" .py)-$copy.log; done  # named twice
   if [[ $name == *.py && -f $log ]]; then
     grep -v "^  " "$log" | tail -12 | cut -c1-240
   elif [[ -f $log ]]; then
