@@ -97,7 +97,7 @@ cat "$OUT/environment.txt"
 # -- 2. the suites ------------------------------------------------------------------------------------------------------
 reserve=0
 [[ -n $GPU_TESTS ]] && reserve=$GPU_TESTS_TIMEOUT
-declare -A status
+declare -A status logs
 for requested in "$@"; do
   name=${requested%%:*}
   arguments=""
@@ -112,6 +112,7 @@ for requested in "$@"; do
   echo "# $name $arguments: up to $limit s"
   log=$OUT/$(basename "$name" .py).log
   for ((copy = 2; ; copy++)); do [[ -e $log ]] || break; log=$OUT/$(basename "$name" .py)-$copy.log; done  # named twice
+  logs[$requested]=$log
   command=(python3 "benchmarks/$name.py" --json "$OUT/$name.jsonl")
   [[ $name == *.py ]] && command=(python3 "$name")
   # shellcheck disable=SC2086 # the suite's arguments are words
@@ -144,11 +145,10 @@ echo "# summary (full logs and JSON lines in $OUT)"
 for requested in "$@"; do
   name=${requested%%:*}
   echo "## $requested: exit ${status[$requested]:-not run}"
-  log=$OUT/$(basename "$name" .py).log
-  for ((copy = 2; ; copy++)); do [[ -e $log ]] || break; log=$OUT/$(basename "$name" .py)-$copy.log; done  # named twice
-  if [[ $name == *.py && -f $log ]]; then
+  log=${logs[$requested]:-}
+  if [[ $name == *.py && -n $log && -f $log ]]; then
     grep -v "^  " "$log" | tail -12 | cut -c1-240
-  elif [[ -f $log ]]; then
+  elif [[ -n $log && -f $log ]]; then
     grep -E "^[a-z0-9]+ / | vs | against the fastest |: (out of memory|error|absent)|Traceback|Error" "$log" |
       grep -v "^  File " | cut -c1-240
   fi
