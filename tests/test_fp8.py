@@ -99,6 +99,35 @@ def test_the_product_is_torchaos_float8_linear(recipe):
     assert 1e-3 < difference < 0.1
 
 
+def test_a_split_product_scales_each_part_as_its_own_float8_linear(tmp_path):
+    """`Linear.forward_split` under FP8 (the gated MLP's gate and up): each part is torchao's Float8Linear of that
+    part's rows of the weight, scaled on its own (as separate gate and up projections are), outputs and gradients
+    bit for bit."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    trainer = Trainer(configure(tmp_path, EMULATED), log=lambda _: None)
+    gate_up = next(linear for name, linear in linears(trainer).items() if name.endswith("gate_up"))
+    size = gate_up.weight.shape[0] // 2
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(40, gate_up.weight.shape[1], generator=generator).to(torch.bfloat16)
+    grads = [torch.randn(40, size, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    ours_input = inputs.clone().requires_grad_()
+    parts = gate_up.forward_split(ours_input, size)
+    torch.autograd.backward(parts, grads)
+    for index, (part, grad) in enumerate(zip(parts, grads)):
+        reference = torch.nn.Linear(gate_up.weight.shape[1], size, bias=False)
+        with torch.no_grad():
+            reference.weight.copy_(gate_up.weight[index * size : (index + 1) * size])
+        theirs = Float8Linear.from_float(reference, config=gate_up.float8.config)
+        their_input = inputs.clone().requires_grad_()
+        expected = theirs(their_input)
+        expected.backward(grad)
+        assert torch.equal(part, expected)
+        assert torch.equal(gate_up.weight.grad[index * size : (index + 1) * size], theirs.weight.grad)
+        their_input_grad = their_input.grad if index == 0 else their_input_grad + their_input.grad
+    torch.testing.assert_close(ours_input.grad, their_input_grad, rtol=0, atol=0)
+
+
 # -- training ----------------------------------------------------------------------------------------------------------
 
 

@@ -156,12 +156,12 @@ class Linear(nn.Module):
         plain pass."""
         if self.row_parallel:
             raise NotImplementedError(f"linear {self.name!r}: forward_split of a row-parallel linear")
-        if self.float8 is not None:  # one FP8 product: its weight's scale is the whole weight's
-            return self.forward(input).split(size, dim=-1)
-        weights = self.weight.to(input.dtype).split(size)
+        # Under FP8 each part is scaled on its own, as separate linears are (torchtitan's gate and up projections).
+        product = F.linear if self.float8 is None else self.float8
+        weights = (self.weight.to(input.dtype) if self.float8 is None else self.weight).split(size)
         biases = [None] * len(weights) if self.bias is None else self.bias.to(input.dtype).split(size)
         input = self._enter(input)
-        outputs = tuple(F.linear(input, weight, bias) for weight, bias in zip(weights, biases))
+        outputs = tuple(product(input, weight, bias) for weight, bias in zip(weights, biases))
         if (adapter := self._active_adapter) is None:
             return outputs
         return tuple(output + update for output, update in zip(outputs, adapter(input).split(size, dim=-1)))
