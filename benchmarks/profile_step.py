@@ -37,13 +37,22 @@ from benchmarks import harness, ours, shapes
 from benchmarks.trainer import STEP_LINE
 
 
+def gpu_work(events) -> list:
+    """The GPU's kernels, copies and fills among the profiler's events: neither the annotations it records on the
+    GPU's timeline (the optimizer's step, compiled regions), which span kernels, nor CUPTI's own overhead."""
+    work = []
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        activity = str(getattr(event, "activity_type", None) or "kernel").lower()
+        if any(kind in activity for kind in ("kernel", "memcpy", "memset")):
+            work.append(event)
+    return work
+
+
 def busy_seconds(events) -> float:
     """The union of the GPU kernels' intervals (overlapping streams counted once)."""
-    intervals = sorted(
-        (event.time_range.start, event.time_range.end)
-        for event in events
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    )
+    intervals = sorted((event.time_range.start, event.time_range.end) for event in gpu_work(events))
     busy, current_start, current_end = 0.0, None, None
     for start, end in intervals:
         if current_end is None or start > current_end:
@@ -69,9 +78,7 @@ KERNEL_KINDS = [
 def kernel_kinds(events) -> dict[str, float]:
     """GPU time in seconds by KERNEL_KINDS (the rest as "other")."""
     totals: dict[str, float] = {}
-    for event in events:
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for event in gpu_work(events):
         name = event.name.lower()
         kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
         totals[kind] = totals.get(kind, 0.0) + (event.time_range.end - event.time_range.start) / 1e6
