@@ -68,8 +68,8 @@ def busy_seconds(events) -> float:
 
 NAME_WIDTH = 110  # inductor's kernel names list the operations they fuse: wide enough to tell them apart
 
-# Kernel names → what they compute, for the per-step summary (first match wins; # inductor's names carry the operations they
-# fuse, "triton_poi_fused__scaled_mm_..." being FP8 casts, so Triton first).
+# Kernel names → what they compute, for the per-step summary. The first match wins, so Triton first: inductor's
+# names carry the operations they fuse ("triton_poi_fused__scaled_mm_..." casts for an FP8 product).
 KERNEL_KINDS = [
     ("Triton (inductor's and ours)", ("triton",)),
     ("matrix products", ("gemm", "nvjet", "cutlass", "xmma")),
