@@ -130,9 +130,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # Master weights stay fp32; compute in the activations' dtype (FP8 casts the weight itself, from its dtype).
-        product = F.linear if self.float8 is None else self.float8
-        weight = self.weight.to(input.dtype) if self.float8 is None else self.weight
+        product, weight = self._product(input)
         bias = None if self.bias is None else self.bias.to(input.dtype)
         adapter = self._active_adapter
         if self.row_parallel:
@@ -150,21 +148,28 @@ class Linear(nn.Module):
         """`forward(input).split(size, dim=-1)` (of this rank's output), each part its own product with its rows of
         the weight; not for a row-parallel linear.
 
-        The values are the same; the backward pass under torch.compile is cheaper. Of one product split afterwards,
-        the gradient is the concatenation of the parts' gradients, which inductor writes with one masked kernel that
+        The values are the same (under FP8 each part is scaled on its own, as separate linears are: torchtitan's gate
+        and up projections); the backward pass under torch.compile is cheaper. Of one product split afterwards, the
+        gradient is the concatenation of the parts' gradients, which inductor writes with one masked kernel that
         reads the inputs the parts share once per part; of separate products, both parts' gradients come from one
         plain pass."""
         if self.row_parallel:
             raise NotImplementedError(f"linear {self.name!r}: forward_split of a row-parallel linear")
-        # Under FP8 each part is scaled on its own, as separate linears are (torchtitan's gate and up projections).
-        product = F.linear if self.float8 is None else self.float8
-        weights = (self.weight.to(input.dtype) if self.float8 is None else self.weight).split(size)
+        product, weight = self._product(input)
+        weights = weight.split(size)
         biases = [None] * len(weights) if self.bias is None else self.bias.to(input.dtype).split(size)
         input = self._enter(input)
         outputs = tuple(product(input, weight, bias) for weight, bias in zip(weights, biases))
         if (adapter := self._active_adapter) is None:
             return outputs
         return tuple(output + update for output, update in zip(outputs, adapter(input).split(size, dim=-1)))
+
+    def _product(self, input: torch.Tensor) -> tuple[Callable, torch.Tensor]:
+        """`F.linear` and the weight in the activations' dtype (master weights stay fp32), or under FP8 its product
+        and the weight as it is (the FP8 product casts it itself, from its dtype)."""
+        if self.float8 is None:
+            return F.linear, self.weight.to(input.dtype)
+        return self.float8, self.weight
 
     @property
     def _active_adapter(self) -> nn.Module | None:
