@@ -379,6 +379,38 @@ def test_profile_step_phases_time_each_part_of_the_trainer_step_on_the_cpu(capsy
     assert [part for part in parts if float(times.get(part, 0)) <= 0] == []
 
 
+def test_profile_step_sums_gpu_work_by_kind_of_kernel():
+    """The profile's GPU time counts kernels, copies and fills, not the annotations laid over them nor CUPTI's
+    overhead; an inductor kernel whose name carries a product's name is Triton's work; overlaps count once."""
+    from benchmarks import profile_step
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, activity="kernel", annotation=False):
+        interval = types.SimpleNamespace(start=start, end=end)
+        return types.SimpleNamespace(
+            name=name, device_type=device, time_range=interval, activity_type=activity, is_user_annotation=annotation
+        )
+
+    events = [
+        event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 3000),
+        event("triton_poi_fused__scaled_mm__to_copy_clamp_3", 3000, 4000),
+        event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 3500, 5500),
+        event("Memset (Device)", 6000, 6500, activity="gpu_memset"),
+        event("Optimizer.step#AdamW.step", 0, 9000, activity="gpu_user_annotation", annotation=True),
+        event("Command Buffer Full", 0, 9000, activity="overhead"),
+        event("aten::mm", 0, 9000, device=cpu, activity="cpu_op"),
+    ]
+    kinds = profile_step.kernel_kinds(events)
+    assert kinds == {
+        "matrix products": 0.003,
+        "Triton (inductor's and ours)": 0.001,
+        "attention": 0.002,
+        "other": 0.0005,
+    }
+    assert profile_step.busy_seconds(events) == pytest.approx(0.006)
+
+
 def test_device_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(REPOSITORY / "benchmarks/device.sh")], check=True)
     subprocess.run(["bash", "-n", str(REPOSITORY / "benchmarks/make_wheels.sh")], check=True)
