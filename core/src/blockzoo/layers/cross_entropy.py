@@ -44,7 +44,7 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 # functions) or "triton" (a single process's chunks through `cross_entropy_kernel`; the vocabulary-parallel
 # statistics stay as on that device). On the CPU plain (no gain measured from compiling there, and the compile time
 # would dominate the tests); on CUDA the Triton kernel, which beats the compiled chunk on an H100 (a 128256
-# vocabulary: 4 % less time, 0.8× the memory; `benchmarks/kernels.py --cases ce-128256` times both).
+# vocabulary: 3 % less time, 0.8× the memory; `benchmarks/kernels.py --cases ce-128256` times both).
 # KERNEL_VARIABLE, or the `kernel` argument, chooses one.
 KERNELS = ("plain", "compiled", "triton")
 CUDA_KERNEL = "triton"
