@@ -48,6 +48,9 @@ BASE = {
     },
 }
 EMULATED = "training.fp8={recipe: tensorwise, emulate: true}"
+FP8_TENSOR_CORES = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
+)
 
 
 def configure(output_dir: Path, *overrides: str) -> RunConfig:
@@ -269,9 +272,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
-)
+@FP8_TENSOR_CORES
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_on_a_gpu_trains_as_bf16_compiled(tmp_path, recipe):
     """On FP8 tensor cores (torch._scaled_mm, no emulation), compiled blocks: 30 steps within the tolerance of the
@@ -286,3 +287,39 @@ def test_fp8_on_a_gpu_trains_as_bf16_compiled(tmp_path, recipe):
     trainer, fp8 = run(tmp_path / recipe, *common, f"training.fp8={{recipe: {recipe}}}")
     assert sum(linear.float8 is not None for linear in linears(trainer).values()) == LINEARS
     assert fp8 == pytest.approx(bf16, rel=LOSS_TOLERANCE) and fp8 != bf16
+
+
+@pytest.mark.gpu
+@FP8_TENSOR_CORES
+def test_fp8_blocks_compile_without_mix_order_reductions(tmp_path, monkeypatch):
+    """Inductor's mix-order reduction would fuse the FP8 cast of the recomputed norm output, stored transposed, into
+    the norm's backward (slow: see `compile_options`). At a shape where inductor makes one (16384 rows of 512), the
+    FP8 blocks compile without, and the same blocks compiled with inductor's defaults have one."""
+    from torch._inductor import metrics
+
+    from blockzoo.distributed import fp8
+
+    wide = [
+        "model.hidden_size=512",
+        "model.decoder.block.mixer.heads=8",
+        "model.decoder.block.mixer.head_size=64",
+        "model.decoder.block.mlp.intermediate_size=1024",
+        "data.sequence_length=4096",
+        "data.micro_batch_size=4",
+        "data.num_documents=100",
+        "distributed.backend=nccl",
+        "training.compile=blocks",
+        "training.train_iters=1",
+        "training.fp8={recipe: tensorwise}",
+    ]
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # count what codegen makes
+
+    def mix_order_kernels(output_dir: Path) -> int:
+        torch._dynamo.reset()
+        metrics.reset()
+        run(output_dir, *wide)
+        return metrics.codegen_mix_order_reduction
+
+    assert mix_order_kernels(tmp_path / "ours") == 0
+    monkeypatch.setattr(fp8, "compile_options", lambda: {})
+    assert mix_order_kernels(tmp_path / "defaults") > 0

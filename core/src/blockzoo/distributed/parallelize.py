@@ -44,14 +44,17 @@ def parallelize(model: nn.Module, run_config: RunConfig, stages: Sequence[nn.Mod
     FSDP replaces the parameters. Under pipeline parallelism, `stages` are this rank's pipeline stages
     (`blockzoo.distributed.pipeline.StageModule`): each is an FSDP root, its blocks its units."""
     training = run_config.training
+    options = {}
     if training.fp8 is not None:  # first: compilation traces the FP8 products, FSDP wraps the FP8-gathered weights
-        from blockzoo.distributed.fp8 import prepare_fp8
+        from blockzoo.distributed.fp8 import compile_options, prepare_fp8
 
         prepare_fp8(model, run_config)
+        options = compile_options()
     for (name, _), block in zip(run_config.model.decoder.expanded_blocks(), model.decoder, strict=True):
         policy = training.recompute_blocks.get(name, training.recompute)
         if training.compile == "blocks":
-            block.forward = compiled(block.forward, memory_budget=COMPILED_RECOMPUTE_BUDGETS.get(policy))
+            budget = COMPILED_RECOMPUTE_BUDGETS.get(policy)
+            block.forward = compiled(block.forward, memory_budget=budget, options=options)
         elif policy != "none":
             block.forward = recomputed(block.forward, selective=policy == "selective")
             if hasattr(block, "forward_slice"):  # not a pipeline stage held elsewhere (RemotePart)
@@ -155,12 +158,13 @@ def _checkpointed(function: Callable, batch: Batch, selective: bool, *args: Any)
 COMPILED_RECOMPUTE_BUDGETS = {"selective": 0.5, "full": 0.0}
 
 
-def compiled(forward: Callable, *, memory_budget: float | None = None) -> Callable:
+def compiled(forward: Callable, *, memory_budget: float | None = None, options: dict | None = None) -> Callable:
     """`forward(hidden, batch, state=None)` through torch.compile when it builds a graph (training). With
-    `memory_budget`, the compiler keeps about that share of the activations and recomputes the rest."""
+    `memory_budget`, the compiler keeps about that share of the activations and recomputes the rest; `options` are
+    inductor's (torch.compile's `options`)."""
     # Recompilations (a new document layout's maximum length, ...) must not silently fall back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    compiled_forward = torch.compile(forward)
+    compiled_forward = torch.compile(forward, options=options or None)
     # The partition between saved and recomputed activations is chosen when the forward compiles, inside the call.
     budget = (
         contextlib.nullcontext
