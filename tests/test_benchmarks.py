@@ -379,6 +379,26 @@ def test_profile_step_phases_time_each_part_of_the_trainer_step_on_the_cpu(capsy
     assert [part for part in parts if float(times.get(part, 0)) <= 0] == []
 
 
+def test_fp8_losses_compares_every_step_of_an_fp8_run_with_the_bf16_run(tmp_path, capsys):
+    """`fp8_losses.py --tiny`: a bf16 run and an FP8 run (torchao's emulation) of the same batches; every step's loss
+    of each is recorded, the FP8 run computes other losses (FP8 was on) close to bf16's, and the largest difference
+    reported is that of the recorded losses."""
+    pytest.importorskip("torchao.float8", reason="torchao (blockzoo[fp8]) is not installed here")
+    from benchmarks import fp8_losses
+
+    output = tmp_path / "losses.json"
+    fp8_losses.main(
+        ["--tiny", "--rows", "2", "--length", "64", "--steps", "4", "--log-interval", "2", "--json", str(output)]
+    )
+    record = json.loads(output.read_text())
+    bf16, fp8 = record["losses"]["bf16"], record["losses"]["fp8 tensorwise"]
+    assert list(bf16) == list(fp8) == ["1", "2", "3", "4"]
+    assert fp8 != bf16 and fp8 == pytest.approx(bf16, rel=0.05)
+    largest = max(abs(fp8[step] - bf16[step]) / bf16[step] for step in bf16)
+    assert record["largest_difference"]["fp8 tensorwise"] == pytest.approx(largest)
+    assert f"largest difference of a step's loss from bf16's {largest:.3%}" in capsys.readouterr().out
+
+
 def test_profile_step_sums_gpu_work_by_kind_of_kernel():
     """The profile's GPU time counts kernels, copies and fills, not the annotations laid over them nor CUPTI's
     overhead; an inductor kernel whose name carries a product's name is Triton's work; overlaps count once."""
